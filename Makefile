@@ -1,0 +1,39 @@
+# The README's commands: `make run` serves the embedded default, `make test`
+# runs the whole suite. Each sets up its own virtual environment (.venv) from
+# nothing and reuses it while pyproject.toml is unchanged.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN     = $(VENV)/bin
+STAMP   = $(VENV)/.installed
+ARGS   ?=
+
+.PHONY: run test demo bench venv proto clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[cpu,test,train]'
+	# PyPI's torchvision/torchaudio/torchcodec break `import transformers` beside the CPU torch.
+	$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/rollout-service serve $(ARGS)
+
+demo: $(STAMP)
+	$(BIN)/rollout-service demo $(ARGS)
+
+# pytest exits 5 when it collects no tests; that is not a failure here.
+test: $(STAMP)
+	$(BIN)/python -m pytest $(ARGS); rc=$$?; if [ $$rc -eq 5 ]; then rc=0; fi; exit $$rc
+
+bench: $(STAMP)
+	$(BIN)/python -m load_tests.delivery_throughput $(ARGS)
+
+proto: $(STAMP)
+	$(BIN)/python scripts/gen_proto.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,306 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_ABORTED: _ClassVar[FinishReason]
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_STOP: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_ABORTED: FinishReason
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "max_tokens", "stop_token_ids", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    max_tokens: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class PromptGroup(_message.Message):
+    __slots__ = ("group_id", "prompt_token_ids", "prompt_text", "num_samples", "sampling", "prompt_id", "metadata")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    prompt_text: str
+    num_samples: int
+    sampling: SamplingParams
+    prompt_id: str
+    metadata: _containers.ScalarMap[str, str]
+    def __init__(self, group_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., num_samples: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., prompt_id: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class SubmitRequest(_message.Message):
+    __slots__ = ("groups", "batch_id")
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    groups: _containers.RepeatedCompositeFieldContainer[PromptGroup]
+    batch_id: str
+    def __init__(self, groups: _Optional[_Iterable[_Union[PromptGroup, _Mapping]]] = ..., batch_id: _Optional[str] = ...) -> None: ...
+
+class SubmitResponse(_message.Message):
+    __slots__ = ("group_ids", "created")
+    GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    group_ids: _containers.RepeatedScalarFieldContainer[str]
+    created: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, group_ids: _Optional[_Iterable[str]] = ..., created: _Optional[_Iterable[bool]] = ...) -> None: ...
+
+class StreamSamplesRequest(_message.Message):
+    __slots__ = ("consumer_id", "from_cursor")
+    CONSUMER_ID_FIELD_NUMBER: _ClassVar[int]
+    FROM_CURSOR_FIELD_NUMBER: _ClassVar[int]
+    consumer_id: str
+    from_cursor: int
+    def __init__(self, consumer_id: _Optional[str] = ..., from_cursor: _Optional[int] = ...) -> None: ...
+
+class VersionSegment(_message.Message):
+    __slots__ = ("version", "start", "length")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    start: int
+    length: int
+    def __init__(self, version: _Optional[int] = ..., start: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class Timing(_message.Message):
+    __slots__ = ("queued_at", "first_token_at", "finished_at")
+    QUEUED_AT_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_AT_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
+    queued_at: float
+    first_token_at: float
+    finished_at: float
+    def __init__(self, queued_at: _Optional[float] = ..., first_token_at: _Optional[float] = ..., finished_at: _Optional[float] = ...) -> None: ...
+
+class SpecStats(_message.Message):
+    __slots__ = ("draft_tokens", "accepted_tokens")
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    draft_tokens: int
+    accepted_tokens: int
+    def __init__(self, draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ...) -> None: ...
+
+class Sample(_message.Message):
+    __slots__ = ("sample_id", "group_id", "index", "prompt_id", "prompt_token_ids", "response_token_ids", "logprobs", "versions", "min_version", "max_version", "finish_reason", "engines", "num_migrations", "timing", "spec", "response_text", "metadata", "batch_id")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    SAMPLE_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MAX_VERSION_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    NUM_MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_TEXT_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    sample_id: str
+    group_id: str
+    index: int
+    prompt_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    response_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    versions: _containers.RepeatedCompositeFieldContainer[VersionSegment]
+    min_version: int
+    max_version: int
+    finish_reason: FinishReason
+    engines: _containers.RepeatedScalarFieldContainer[str]
+    num_migrations: int
+    timing: Timing
+    spec: SpecStats
+    response_text: str
+    metadata: _containers.ScalarMap[str, str]
+    batch_id: str
+    def __init__(self, sample_id: _Optional[str] = ..., group_id: _Optional[str] = ..., index: _Optional[int] = ..., prompt_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., response_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., versions: _Optional[_Iterable[_Union[VersionSegment, _Mapping]]] = ..., min_version: _Optional[int] = ..., max_version: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., engines: _Optional[_Iterable[str]] = ..., num_migrations: _Optional[int] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., spec: _Optional[_Union[SpecStats, _Mapping]] = ..., response_text: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., batch_id: _Optional[str] = ...) -> None: ...
+
+class SampleEvent(_message.Message):
+    __slots__ = ("cursor", "sample", "group_complete")
+    CURSOR_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    GROUP_COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    cursor: int
+    sample: Sample
+    group_complete: bool
+    def __init__(self, cursor: _Optional[int] = ..., sample: _Optional[_Union[Sample, _Mapping]] = ..., group_complete: _Optional[bool] = ...) -> None: ...
+
+class AckRequest(_message.Message):
+    __slots__ = ("consumer_id", "cursor")
+    CONSUMER_ID_FIELD_NUMBER: _ClassVar[int]
+    CURSOR_FIELD_NUMBER: _ClassVar[int]
+    consumer_id: str
+    cursor: int
+    def __init__(self, consumer_id: _Optional[str] = ..., cursor: _Optional[int] = ...) -> None: ...
+
+class AckResponse(_message.Message):
+    __slots__ = ("acked_cursor",)
+    ACKED_CURSOR_FIELD_NUMBER: _ClassVar[int]
+    acked_cursor: int
+    def __init__(self, acked_cursor: _Optional[int] = ...) -> None: ...
+
+class TensorSpec(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "byte_length", "sha256")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    BYTE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    byte_length: int
+    sha256: str
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., byte_length: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+
+class WeightsHeader(_message.Message):
+    __slots__ = ("version", "tensors", "file_path", "target")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    FILE_PATH_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    file_path: str
+    target: str
+    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., file_path: _Optional[str] = ..., target: _Optional[str] = ...) -> None: ...
+
+class WeightsChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: WeightsHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[WeightsHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PushWeightsResponse(_message.Message):
+    __slots__ = ("applied_version", "bytes_received", "seconds")
+    APPLIED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    applied_version: int
+    bytes_received: int
+    seconds: float
+    def __init__(self, applied_version: _Optional[int] = ..., bytes_received: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("group_ids", "batch_id", "all", "keep_partial")
+    GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    ALL_FIELD_NUMBER: _ClassVar[int]
+    KEEP_PARTIAL_FIELD_NUMBER: _ClassVar[int]
+    group_ids: _containers.RepeatedScalarFieldContainer[str]
+    batch_id: str
+    all: bool
+    keep_partial: bool
+    def __init__(self, group_ids: _Optional[_Iterable[str]] = ..., batch_id: _Optional[str] = ..., all: _Optional[bool] = ..., keep_partial: _Optional[bool] = ...) -> None: ...
+
+class AbortResponse(_message.Message):
+    __slots__ = ("aborted_groups", "partial_samples")
+    ABORTED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    aborted_groups: int
+    partial_samples: _containers.RepeatedCompositeFieldContainer[Sample]
+    def __init__(self, aborted_groups: _Optional[int] = ..., partial_samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class EngineStatus(_message.Message):
+    __slots__ = ("engine_id", "kind", "state", "running", "waiting", "kv_usage", "tokens_per_s", "policy_version", "assigned")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    KV_USAGE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ASSIGNED_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    kind: str
+    state: str
+    running: int
+    waiting: int
+    kv_usage: float
+    tokens_per_s: float
+    policy_version: int
+    assigned: int
+    def __init__(self, engine_id: _Optional[str] = ..., kind: _Optional[str] = ..., state: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., policy_version: _Optional[int] = ..., assigned: _Optional[int] = ...) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("policy_version", "engines", "queued_requests", "running_requests", "open_groups", "last_cursor", "retained_samples", "scheduler", "counters", "uptime_s", "model")
+    class CountersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    OPEN_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    LAST_CURSOR_FIELD_NUMBER: _ClassVar[int]
+    RETAINED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    policy_version: int
+    engines: _containers.RepeatedCompositeFieldContainer[EngineStatus]
+    queued_requests: int
+    running_requests: int
+    open_groups: int
+    last_cursor: int
+    retained_samples: int
+    scheduler: str
+    counters: _containers.ScalarMap[str, float]
+    uptime_s: float
+    model: str
+    def __init__(self, policy_version: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ..., queued_requests: _Optional[int] = ..., running_requests: _Optional[int] = ..., open_groups: _Optional[int] = ..., last_cursor: _Optional[int] = ..., retained_samples: _Optional[int] = ..., scheduler: _Optional[str] = ..., counters: _Optional[_Mapping[str, float]] = ..., uptime_s: _Optional[float] = ..., model: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,64 @@
+"""Translation between the service's own types and rollout.v1 messages.
+The one place where both meet."""
+from __future__ import annotations
+
+from rollout_proto import rollout_pb2 as pb
+from rollout_service.core.types import EngineLoad, Sample
+from rollout_service.core.weights import TensorSpec
+
+
+def sample_to_pb(s: Sample) -> pb.Sample:
+    return pb.Sample(
+        sample_id=s.sample_id,
+        group_id=s.group_id,
+        index=s.index,
+        prompt_id=s.prompt_id,
+        prompt_token_ids=s.prompt_token_ids,
+        response_token_ids=s.response_token_ids,
+        logprobs=s.logprobs,
+        versions=[pb.VersionSegment(version=v, start=a, length=n) for v, a, n in s.versions.segments],
+        min_version=s.versions.min_version,
+        max_version=s.versions.max_version,
+        finish_reason=int(s.finish_reason),
+        engines=s.engines,
+        num_migrations=s.num_migrations,
+        timing=pb.Timing(queued_at=s.queued_at, first_token_at=s.first_token_at, finished_at=s.finished_at),
+        spec=pb.SpecStats(draft_tokens=s.draft_tokens, accepted_tokens=s.accepted_tokens),
+        response_text=s.response_text,
+        metadata=s.metadata,
+        batch_id=s.batch_id,
+    )
+
+
+def tensor_specs(header: pb.WeightsHeader) -> list[TensorSpec]:
+    return [TensorSpec(t.name, t.dtype, tuple(t.shape), t.byte_length, t.sha256) for t in header.tensors]
+
+
+def engine_status(load: EngineLoad, assigned: int) -> pb.EngineStatus:
+    return pb.EngineStatus(
+        engine_id=load.engine_id,
+        kind=load.kind,
+        state=load.state,
+        running=load.running,
+        waiting=load.waiting,
+        kv_usage=load.kv_usage,
+        tokens_per_s=load.tokens_per_s,
+        policy_version=load.policy_version,
+        assigned=assigned,
+    )
+
+
+def status_to_pb(st: dict, model: str) -> pb.StatusResponse:
+    return pb.StatusResponse(
+        policy_version=st["policy_version"],
+        engines=[engine_status(load, assigned) for load, assigned in st["engines"]],
+        queued_requests=st["queued_requests"],
+        running_requests=st["running_requests"],
+        open_groups=st["open_groups"],
+        last_cursor=st["last_cursor"],
+        retained_samples=st["retained_samples"],
+        scheduler=st["scheduler"],
+        counters={k: float(v) for k, v in st["counters"].items()},
+        uptime_s=st["uptime_s"],
+        model=model,
+    )

@@ -1,0 +1,58 @@
+"""The aiohttp side server: health, readiness, Prometheus metrics, status JSON."""
+from __future__ import annotations
+
+from aiohttp import web
+
+from rollout_service.core.rollout import RolloutCore
+
+
+def _metrics_text(core: RolloutCore) -> str:
+    st = core.status()
+    lines = [
+        "# TYPE rollout_policy_version gauge",
+        f"rollout_policy_version {st['policy_version']}",
+        "# TYPE rollout_queued_requests gauge",
+        f"rollout_queued_requests {st['queued_requests']}",
+        "# TYPE rollout_running_requests gauge",
+        f"rollout_running_requests {st['running_requests']}",
+        "# TYPE rollout_retained_samples gauge",
+        f"rollout_retained_samples {st['retained_samples']}",
+    ]
+    for name in sorted(st["counters"]):
+        lines += [f"# TYPE rollout_{name}_total counter", f"rollout_{name}_total {st['counters'][name]}"]
+    for series in ("running", "waiting", "kv_usage", "tokens_per_s"):
+        lines.append(f"# TYPE rollout_engine_{series} gauge")
+        for load, _ in st["engines"]:
+            value = getattr(load, series)
+            lines.append(f'rollout_engine_{series}{{engine="{load.engine_id}"}} {value}')
+    return "\n".join(lines) + "\n"
+
+
+def make_app(core: RolloutCore) -> web.Application:
+    async def healthz(_):
+        return web.json_response({"status": "ok"})
+
+    async def readyz(_):
+        states = [e.load().state for e in core.engines.values()]
+        ready = bool(states) and all(s in ("ready", "updating") for s in states)
+        return web.json_response({"ready": ready, "engines": states}, status=200 if ready else 503)
+
+    async def metrics(_):
+        return web.Response(text=_metrics_text(core), content_type="text/plain", charset="utf-8")
+
+    async def status(_):
+        st = core.status()
+        st["engines"] = [
+            {"engine_id": l.engine_id, "kind": l.kind, "state": l.state, "running": l.running,
+             "waiting": l.waiting, "kv_usage": l.kv_usage, "tokens_per_s": l.tokens_per_s, "assigned": a}
+            for l, a in st["engines"]
+        ]
+        return web.json_response(st)
+
+    app = web.Application()
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/health", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/status", status)
+    return app

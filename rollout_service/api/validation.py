@@ -1,0 +1,145 @@
+"""Edge validation: every field of every request, checked before the core
+sees it. A bad field raises `FieldError` (-> INVALID_ARGUMENT, naming the
+field and its allowed range); an oversized request raises `TooLarge`
+(-> RESOURCE_EXHAUSTED)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+from rollout_proto import rollout_pb2 as pb
+from rollout_service.core.types import GroupSpec, SamplingParams
+
+MAX_NUM_SAMPLES = 1024
+MAX_ID_CHARS = 256
+MAX_METADATA_BYTES = 65_536
+
+
+class FieldError(ValueError):
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field} {message}")
+        self.field = field
+
+
+class TooLarge(ValueError):
+    pass
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, token_ids: list[int]) -> str: ...
+
+
+@dataclass(slots=True)
+class ModelLimits:
+    vocab_size: int
+    max_model_len: int
+    max_groups_per_submit: int = 4096
+    max_samples_per_submit: int = 65_536
+
+
+def _check_id(field: str, value: str) -> None:
+    if len(value) > MAX_ID_CHARS:
+        raise FieldError(field, f"must be at most {MAX_ID_CHARS} characters, got {len(value)}")
+
+
+def _check_tokens(field: str, ids, vocab: int) -> None:
+    for j, t in enumerate(ids):
+        if not 0 <= t < vocab:
+            raise FieldError(f"{field}[{j}]", f"must be a token id in [0, {vocab - 1}], got {t}")
+
+
+def sampling_params(field: str, sp: pb.SamplingParams, prompt_len: int, limits: ModelLimits) -> SamplingParams:
+    budget = limits.max_model_len - prompt_len
+    if not 1 <= sp.max_tokens <= budget:
+        raise FieldError(
+            f"{field}.max_tokens",
+            f"must be in [1, {budget}] (max_model_len {limits.max_model_len} - prompt {prompt_len}), got {sp.max_tokens}",
+        )
+    temperature = sp.temperature if sp.HasField("temperature") else 1.0
+    if not (math.isfinite(temperature) and 0.0 <= temperature <= 100.0):
+        raise FieldError(f"{field}.temperature", f"must be in [0, 100], got {temperature}")
+    top_p = sp.top_p if sp.HasField("top_p") else 1.0
+    if not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
+        raise FieldError(f"{field}.top_p", f"must be in (0, 1], got {top_p}")
+    top_k = sp.top_k if sp.HasField("top_k") else -1
+    if top_k != -1 and not 1 <= top_k <= limits.vocab_size:
+        raise FieldError(f"{field}.top_k", f"must be -1 or in [1, {limits.vocab_size}], got {top_k}")
+    _check_tokens(f"{field}.stop_token_ids", sp.stop_token_ids, limits.vocab_size)
+    return SamplingParams(
+        max_tokens=sp.max_tokens,
+        temperature=float(temperature),
+        top_p=float(top_p),
+        top_k=top_k,
+        stop_token_ids=tuple(sp.stop_token_ids),
+        seed=sp.seed if sp.HasField("seed") else None,
+    )
+
+
+def submit_request(req: pb.SubmitRequest, limits: ModelLimits, tokenizer: Tokenizer | None) -> list[GroupSpec]:
+    if not req.groups:
+        raise FieldError("groups", "must contain at least 1 group")
+    if len(req.groups) > limits.max_groups_per_submit:
+        raise TooLarge(f"groups: {len(req.groups)} groups exceed the limit of {limits.max_groups_per_submit} per Submit")
+    total = sum(g.num_samples for g in req.groups)
+    if total > limits.max_samples_per_submit:
+        raise TooLarge(f"groups: {total} samples exceed the limit of {limits.max_samples_per_submit} per Submit")
+    _check_id("batch_id", req.batch_id)
+    specs = []
+    for i, g in enumerate(req.groups):
+        f = f"groups[{i}]"
+        _check_id(f"{f}.group_id", g.group_id)
+        _check_id(f"{f}.prompt_id", g.prompt_id)
+        if not 1 <= g.num_samples <= MAX_NUM_SAMPLES:
+            raise FieldError(f"{f}.num_samples", f"must be in [1, {MAX_NUM_SAMPLES}], got {g.num_samples}")
+        if g.prompt_token_ids and g.prompt_text:
+            raise FieldError(f"{f}.prompt_text", "set prompt_token_ids or prompt_text, not both")
+        if g.prompt_text:
+            if tokenizer is None:
+                raise FieldError(f"{f}.prompt_text", "this server has no tokenizer; send prompt_token_ids")
+            prompt = list(tokenizer.encode(g.prompt_text))
+        else:
+            prompt = list(g.prompt_token_ids)
+            _check_tokens(f"{f}.prompt_token_ids", prompt, limits.vocab_size)
+        if not prompt:
+            raise FieldError(f"{f}.prompt_token_ids", "prompt is empty: set prompt_token_ids or prompt_text")
+        if len(prompt) >= limits.max_model_len:
+            raise FieldError(
+                f"{f}.prompt_token_ids",
+                f"prompt of {len(prompt)} tokens must be shorter than max_model_len {limits.max_model_len}",
+            )
+        meta_bytes = sum(len(k) + len(v) for k, v in g.metadata.items())
+        if meta_bytes > MAX_METADATA_BYTES:
+            raise FieldError(f"{f}.metadata", f"must be at most {MAX_METADATA_BYTES} bytes, got {meta_bytes}")
+        if not g.HasField("sampling"):
+            raise FieldError(f"{f}.sampling.max_tokens", f"must be in [1, {limits.max_model_len - len(prompt)}], got 0")
+        sampling = sampling_params(f"{f}.sampling", g.sampling, len(prompt), limits)
+        specs.append(
+            GroupSpec(
+                group_id=g.group_id,
+                prompt_token_ids=prompt,
+                num_samples=g.num_samples,
+                sampling=sampling,
+                prompt_id=g.prompt_id,
+                prompt_text=g.prompt_text,
+                metadata=dict(g.metadata),
+                batch_id=req.batch_id,
+            )
+        )
+    return specs
+
+
+def consumer_id(field: str, value: str) -> str:
+    if not value:
+        raise FieldError(field, "must not be empty")
+    _check_id(field, value)
+    return value
+
+
+def abort_request(req: pb.AbortRequest) -> None:
+    if not (req.group_ids or req.batch_id or req.all):
+        raise FieldError("group_ids", "name at least one group, a batch_id, or set all")
+    for i, g in enumerate(req.group_ids):
+        if not g:
+            raise FieldError(f"group_ids[{i}]", "must not be empty")

@@ -1,0 +1,116 @@
+"""`rollout-service serve | status | demo`."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+
+from rollout_service.config import ServiceConfig, load_config
+
+
+def _add_service_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="TOML configuration file")
+    p.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--grpc-port", type=int, help="gRPC port (default 50051; 0 picks a free one)")
+    p.add_argument("--http-port", type=int, help="HTTP side-server port (default 8000; 0 picks a free one)")
+    p.add_argument("--engine", choices=["sim", "vllm"], help="engine kind")
+    p.add_argument("--num-engines", type=int, help="engines in the fleet")
+    p.add_argument("--model", help="model directory (default: the bundled tiny reasoner)")
+    p.add_argument("--placement", help="placement policy (default least-assigned)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any configuration key, e.g. engine.max_seqs=32")
+
+
+def _config(args: argparse.Namespace) -> ServiceConfig:
+    overrides = list(args.set)
+    for flag, key in (
+        ("host", "host"), ("grpc_port", "grpc_port"), ("http_port", "http_port"), ("engine", "engine.kind"),
+        ("num_engines", "engine.num_engines"), ("model", "engine.model"), ("placement", "placement"),
+    ):
+        value = getattr(args, flag)
+        if value is not None:
+            overrides.append(f"{key}={json.dumps(value)}")
+    return load_config(args.config, overrides)
+
+
+def _logging(level: str) -> None:
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from rollout_service.service import RolloutService
+
+    cfg = _config(args)
+    _logging(cfg.log_level)
+    print("rollout-service configuration:\n" + cfg.describe(), flush=True)
+    asyncio.run(RolloutService(cfg).serve_forever())
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import grpc
+
+    from trainer_client import RolloutClient
+
+    async def run() -> int:
+        async with RolloutClient(args.address) as client:
+            try:
+                st = await asyncio.wait_for(client.status(), args.timeout)
+            except (grpc.aio.AioRpcError, asyncio.TimeoutError) as exc:
+                print(f"cannot reach a rollout service at {args.address}: {exc}", file=sys.stderr)
+                return 1
+        if args.json:
+            from google.protobuf.json_format import MessageToDict
+
+            print(json.dumps(MessageToDict(st), indent=2))
+            return 0
+        print(f"model {st.model}  policy version {st.policy_version}  scheduler {st.scheduler}  up {st.uptime_s:.0f}s")
+        print(f"queued {st.queued_requests}  running {st.running_requests}  open groups {st.open_groups}  "
+              f"last cursor {st.last_cursor}  retained {st.retained_samples}")
+        print(f"{'engine':<12}{'kind':<6}{'state':<10}{'running':>8}{'waiting':>8}{'kv':>7}{'tok/s':>10}{'version':>8}")
+        for e in st.engines:
+            print(f"{e.engine_id:<12}{e.kind:<6}{e.state:<10}{e.running:>8}{e.waiting:>8}{e.kv_usage:>7.1%}"
+                  f"{e.tokens_per_s:>10.0f}{e.policy_version:>8}")
+        for name, value in sorted(st.counters.items()):
+            print(f"  {name:<24}{value:>14.0f}")
+        return 0
+
+    return asyncio.run(run())
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from rollout_service.demo import run_demo
+
+    cfg = _config(args)
+    _logging("WARNING")
+    return asyncio.run(run_demo(cfg, groups=args.groups, samples=args.samples, max_tokens=args.max_tokens))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rollout-service", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the service in the foreground")
+    _add_service_flags(serve)
+    serve.set_defaults(fn=cmd_serve)
+    status = sub.add_parser("status", help="print a running service's status")
+    status.add_argument("--address", default="localhost:50051")
+    status.add_argument("--timeout", type=float, default=5.0)
+    status.add_argument("--json", action="store_true")
+    status.set_defaults(fn=cmd_status)
+    demo = sub.add_parser("demo", help="start a service, run a short client session, print a summary, stop")
+    _add_service_flags(demo)
+    demo.add_argument("--groups", type=int, default=16)
+    demo.add_argument("--samples", type=int, default=8)
+    demo.add_argument("--max-tokens", type=int, default=256)
+    demo.set_defaults(fn=cmd_demo)
+    args = parser.parse_args(argv)
+    try:
+        return args.fn(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"rollout-service: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

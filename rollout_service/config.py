@@ -1,0 +1,108 @@
+"""One typed configuration object: defaults < TOML file < command-line flags.
+
+    [service]            grpc_port, http_port, host, placement, limits
+    [engine]             kind, num_engines, model, max_seqs, ...
+    [engine.sim]         SimParams fields (simulated engines)
+    [engine.vllm_args]   extra keyword arguments for vLLM's engine
+
+Any field can be set from the command line with `--set engine.num_engines=4`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    kind: str = "sim"  # "sim" or "vllm"
+    num_engines: int = 2
+    model: str = ""  # a model directory; "" means the bundled tiny reasoner
+    max_seqs: int = 64  # running batch cap per engine (sequences)
+    max_model_len: int = 0  # tokens; 0 means the model's own limit
+    kv_cache_gib: float = 1.0  # CPU KV cache per vLLM engine (GiB)
+    sim: dict[str, Any] = field(default_factory=dict)
+    vllm_args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class ServiceConfig:
+    host: str = "127.0.0.1"
+    grpc_port: int = 50051
+    http_port: int = 8000
+    placement: str = "least-assigned"
+    max_message_mb: int = 64  # largest gRPC message accepted (MiB)
+    max_weights_gb: float = 16.0  # largest weight push (GiB)
+    max_queued_samples: int = 1_000_000
+    max_groups_per_submit: int = 4096
+    consumer_ttl_s: float = 3600.0
+    log_level: str = "INFO"
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def describe(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def set_field(cfg: ServiceConfig, dotted: str, value: Any) -> None:
+    """Set `engine.num_engines`-style keys; unknown keys are an error."""
+    parts = dotted.split(".")
+    target: Any = cfg
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        if isinstance(target, dict):
+            if last:
+                target[part] = value
+                return
+            target = target.setdefault(part, {})
+            continue
+        names = {f.name for f in dataclasses.fields(target)}
+        if part not in names:
+            raise ValueError(f"unknown configuration key {dotted!r} ({part!r} is not one of {sorted(names)})")
+        if last:
+            current = getattr(target, part)
+            if isinstance(current, bool):
+                value = value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
+            elif isinstance(current, (int, float)) and not isinstance(value, (int, float)):
+                raise ValueError(f"{dotted} must be a number, got {value!r}")
+            elif isinstance(current, float):
+                value = float(value)
+            setattr(target, part, value)
+            return
+        target = getattr(target, part)
+
+
+def _merge(cfg: ServiceConfig, prefix: str, table: dict[str, Any]) -> None:
+    for key, value in table.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and key not in ("sim", "vllm_args"):
+            _merge(cfg, f"{dotted}.", value)
+        else:
+            set_field(cfg, dotted, value)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> ServiceConfig:
+    cfg = ServiceConfig()
+    if path:
+        data = tomllib.loads(Path(path).read_text())
+        _merge(cfg, "", data.pop("service", {}))
+        _merge(cfg, "", data)
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"--set expects key=value, got {item!r}")
+        key, text = item.split("=", 1)
+        set_field(cfg, key.strip(), _parse_value(text.strip()))
+    return cfg

@@ -1,0 +1,120 @@
+"""The delivery log: completed samples in cursor order, per-consumer acks.
+
+Every completed sample gets the next cursor (strictly increasing, starting at
+1). A consumer streams everything above max(its acknowledged cursor, the
+cursor it asks to resume from); what it has not acknowledged is delivered
+again when it reconnects (at-least-once on the wire, exactly-once for a
+consumer that acknowledges and resumes from the last cursor it saw).
+
+Memory stays bounded: an entry is dropped once every live consumer has
+acknowledged it; consumers silent for longer than `consumer_ttl_s` stop
+pinning entries (their unacknowledged samples go to whoever connects next
+under a fresh id only if nobody acknowledged them yet).
+"""
+from __future__ import annotations
+
+import asyncio
+import bisect
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+from rollout_service.core.types import Sample
+
+
+@dataclass(slots=True)
+class Entry:
+    cursor: int
+    sample: Sample
+    group_complete: bool
+
+
+@dataclass(slots=True)
+class Consumer:
+    consumer_id: str
+    acked: int = 0
+    streams: int = 0  # open streams
+    last_seen: float = 0.0
+
+
+class DeliveryLog:
+    def __init__(self, now: Callable[[], float], consumer_ttl_s: float = 3600.0) -> None:
+        self._now = now
+        self._ttl = consumer_ttl_s
+        # Entries below _head are pruned; the list is compacted now and then.
+        self._entries: list[Entry] = []
+        self._head = 0
+        self._last = 0
+        self._consumers: dict[str, Consumer] = {}
+        self._changed = asyncio.Event()
+        self.dropped_acked = 0
+
+    @property
+    def last_cursor(self) -> int:
+        return self._last
+
+    @property
+    def retained(self) -> int:
+        return len(self._entries) - self._head
+
+    def append(self, sample: Sample, group_complete: bool) -> int:
+        self._last += 1
+        self._entries.append(Entry(self._last, sample, group_complete))
+        self._wake()
+        return self._last
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def consumer(self, consumer_id: str) -> Consumer:
+        c = self._consumers.get(consumer_id)
+        if c is None:
+            # A new consumer starts after what every consumer has acknowledged
+            # (those entries are gone) so it sees every retained sample.
+            c = self._consumers[consumer_id] = Consumer(consumer_id)
+        c.last_seen = self._now()
+        return c
+
+    def ack(self, consumer_id: str, cursor: int) -> int:
+        """Acknowledge up to `cursor` (clamped to the last cursor); returns the acked cursor."""
+        c = self.consumer(consumer_id)
+        c.acked = max(c.acked, min(cursor, self._last))
+        self._prune()
+        return c.acked
+
+    def _prune(self) -> None:
+        now = self._now()
+        live = [c for c in self._consumers.values() if c.streams > 0 or now - c.last_seen < self._ttl]
+        if not live:
+            return
+        floor = min(c.acked for c in live)
+        while self._head < len(self._entries) and self._entries[self._head].cursor <= floor:
+            self._head += 1
+            self.dropped_acked += 1
+        if self._head > 1024 and self._head * 2 > len(self._entries):
+            del self._entries[: self._head]
+            self._head = 0
+        for cid in [c.consumer_id for c in self._consumers.values() if c not in live]:
+            del self._consumers[cid]
+
+    def _after(self, cursor: int) -> list[Entry]:
+        i = bisect.bisect_right(self._entries, cursor, lo=self._head, key=lambda e: e.cursor)
+        return self._entries[i:]
+
+    async def stream(self, consumer_id: str, from_cursor: int = 0) -> AsyncIterator[Entry]:
+        """Yield entries above max(acked, from_cursor), then new ones as they come."""
+        c = self.consumer(consumer_id)
+        c.streams += 1
+        position = max(c.acked, from_cursor)
+        try:
+            while True:
+                changed = self._changed
+                batch = self._after(max(position, c.acked))
+                for entry in batch:
+                    position = entry.cursor
+                    yield entry
+                if not batch:
+                    await changed.wait()
+        finally:
+            c.streams -= 1
+            c.last_seen = self._now()

@@ -1,0 +1,54 @@
+"""The engine protocol: the only thing the layers above see of an engine.
+
+Every engine kind (`sim`, `vllm`) implements it; the core and the
+scheduling policies never learn which kind they talk to.
+"""
+from __future__ import annotations
+
+from typing import AsyncIterator, Mapping, Protocol, runtime_checkable
+
+from rollout_service.core.types import EngineLoad, EngineRequest, PartialResponse, TokenDelta
+
+
+class EngineError(RuntimeError):
+    """An engine failed (died, refused a request, rejected weights)."""
+
+
+class WeightsRejected(ValueError):
+    """Pushed weights do not fit the model (unknown name, wrong shape or dtype)."""
+
+
+@runtime_checkable
+class Engine(Protocol):
+    engine_id: str
+    kind: str
+
+    async def start(self) -> None:
+        """Bring the engine up; returns when it can accept requests."""
+
+    def add(self, request: EngineRequest) -> AsyncIterator[TokenDelta]:
+        """Start generating; yields token deltas until a finish reason.
+
+        A request with `generated_token_ids` continues that partial response
+        (re-prefill of prompt + generated). Each delta is tagged with the
+        policy version of the weights that sampled it. An aborted request's
+        iterator ends with `finish_reason=ABORTED`.
+        """
+
+    async def abort(self, request_id: str) -> PartialResponse:
+        """Stop a request; returns every token it generated on this engine
+        (since its `add`), with logprobs and versions."""
+
+    def load(self) -> EngineLoad:
+        """A snapshot of the engine's load (cheap, non-blocking)."""
+
+    def check_weights(self, manifest: Mapping[str, tuple[str, tuple[int, ...]]]) -> None:
+        """Raise WeightsRejected if a manifest {name: (dtype, shape)} does not
+        fit this engine's model. Called before any byte is applied."""
+
+    async def update_weights(self, version: int, tensors: Mapping[str, object]) -> None:
+        """Apply new policy weights at a safe point (between engine steps);
+        tokens sampled afterwards carry `version`."""
+
+    async def close(self) -> None:
+        """Stop the engine and free its resources."""

@@ -1,0 +1,77 @@
+"""Build the engine fleet and read what the edge needs to know of the model."""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from rollout_service.config import EngineConfig
+from rollout_service.engines.base import Engine
+from rollout_service.engines.sim import SimEngine, SimParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ModelInfo:
+    path: str  # "" when there is no model directory (pure simulation)
+    name: str
+    vocab_size: int
+    max_model_len: int
+    eos_token_id: int
+
+
+def default_model_path() -> str:
+    from rollout_service.assets import tiny_model_path
+
+    return str(tiny_model_path())
+
+
+def model_info(cfg: EngineConfig) -> ModelInfo:
+    path = cfg.model or default_model_path()
+    config_file = Path(path) / "config.json"
+    if not config_file.exists():
+        if cfg.kind != "sim":
+            raise FileNotFoundError(f"engine.model: no config.json in {path!r}")
+        sim = SimParams(**cfg.sim)
+        return ModelInfo("", "simulated", sim.vocab_size, cfg.max_model_len or 4096, sim.eos_token_id)
+    hf = json.loads(config_file.read_text())
+    eos = hf.get("eos_token_id", 2)
+    eos = eos[0] if isinstance(eos, list) else eos
+    limit = hf.get("max_position_embeddings", 4096)
+    return ModelInfo(
+        path=path,
+        name=Path(path).name,
+        vocab_size=int(hf["vocab_size"]),
+        max_model_len=min(cfg.max_model_len or limit, limit),
+        eos_token_id=int(eos),
+    )
+
+
+def load_tokenizer(info: ModelInfo):
+    """The model's tokenizer (for text prompts), or None without a model."""
+    if not info.path or not (Path(info.path) / "tokenizer.json").exists():
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(info.path)
+
+
+def sim_params(cfg: EngineConfig, info: ModelInfo, index: int) -> SimParams:
+    known = {f.name for f in fields(SimParams)}
+    unknown = set(cfg.sim) - known
+    if unknown:
+        raise ValueError(f"engine.sim: unknown parameters {sorted(unknown)}; known: {sorted(known)}")
+    values = {"max_seqs": cfg.max_seqs, "vocab_size": info.vocab_size, "eos_token_id": info.eos_token_id}
+    values.update(cfg.sim)
+    values["seed"] = values.get("seed", 0) * 1000 + index
+    return SimParams(**values)
+
+
+def make_engines(cfg: EngineConfig, info: ModelInfo) -> list[Engine]:
+    if cfg.num_engines < 1:
+        raise ValueError(f"engine.num_engines must be >= 1, got {cfg.num_engines}")
+    if cfg.kind == "sim":
+        return [SimEngine(f"sim-{i}", sim_params(cfg, info, i)) for i in range(cfg.num_engines)]
+    raise ValueError(f"engine.kind must be 'sim' (vllm engines are not built yet), got {cfg.kind!r}")

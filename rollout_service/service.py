@@ -1,0 +1,111 @@
+"""The composition root: configuration -> engines -> core -> gRPC + HTTP."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import grpc
+from aiohttp import web
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from rollout_proto import rollout_pb2, rollout_pb2_grpc
+from rollout_service.api.http import make_app
+from rollout_service.api.servicer import RolloutServicer
+from rollout_service.api.validation import ModelLimits
+from rollout_service.config import ServiceConfig
+from rollout_service.core.clock import Clock
+from rollout_service.core.rollout import CoreLimits, RolloutCore
+from rollout_service.engines.factory import load_tokenizer, make_engines, model_info
+from rollout_service.scheduling import make_placement
+
+log = logging.getLogger("rollout_service")
+SERVICE_NAME = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
+
+
+class RolloutService:
+    """A running service. `await start()`, then `grpc_port`/`http_port` are
+    bound (pass port 0 in the config to pick free ones); `await stop()`."""
+
+    def __init__(self, config: ServiceConfig) -> None:
+        self.config = config
+        self.core: RolloutCore | None = None
+        self.grpc_port = 0
+        self.http_port = 0
+        self._grpc: grpc.aio.Server | None = None
+        self._http: web.AppRunner | None = None
+        self._health = health.aio.HealthServicer()
+
+    async def start(self) -> None:
+        cfg = self.config
+        info = model_info(cfg.engine)
+        tokenizer = await asyncio.to_thread(load_tokenizer, info)
+        self.core = RolloutCore(
+            make_engines(cfg.engine, info),
+            make_placement(cfg.placement),
+            Clock(),
+            CoreLimits(max_queued_samples=cfg.max_queued_samples, consumer_ttl_s=cfg.consumer_ttl_s),
+            detokenizer=tokenizer,
+        )
+        await self.core.start()
+
+        max_msg = cfg.max_message_mb * 1024 * 1024
+        self._grpc = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", max_msg),
+                ("grpc.max_send_message_length", max_msg),
+            ]
+        )
+        servicer = RolloutServicer(
+            self.core,
+            ModelLimits(info.vocab_size, info.max_model_len, cfg.max_groups_per_submit),
+            tokenizer,
+            info.name,
+            int(cfg.max_weights_gb * 1024**3),
+        )
+        rollout_pb2_grpc.add_RolloutServiceServicer_to_server(servicer, self._grpc)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            self._grpc,
+        )
+        self.grpc_port = self._grpc.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
+        if self.grpc_port == 0:
+            raise OSError(f"cannot bind gRPC to {cfg.host}:{cfg.grpc_port}")
+        await self._grpc.start()
+
+        self._http = web.AppRunner(make_app(self.core), access_log=None)
+        await self._http.setup()
+        site = web.TCPSite(self._http, cfg.host, cfg.http_port)
+        await site.start()
+        self.http_port = site._server.sockets[0].getsockname()[1]
+
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info(
+            "serving %s on %d %s engine(s): gRPC %s:%d, HTTP %s:%d",
+            info.name, len(self.core.engines), cfg.engine.kind, cfg.host, self.grpc_port, cfg.host, self.http_port,
+        )
+
+    async def stop(self, grace: float = 1.0) -> None:
+        if self._grpc:
+            for name in ("", SERVICE_NAME):
+                await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+            await self._grpc.stop(grace)
+        if self._http:
+            await self._http.cleanup()
+        if self.core:
+            await self.core.stop()
+
+    async def serve_forever(self) -> None:
+        """Start, then run until SIGINT or SIGTERM."""
+        await self.start()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        log.info("shutting down")
+        await self.stop()
+

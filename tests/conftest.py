@@ -1,0 +1,37 @@
+"""Shared fixtures: a real service on loopback ports, talked to by the real client."""
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from rollout_service.config import EngineConfig, ServiceConfig
+from rollout_service.service import RolloutService
+from trainer_client import RolloutClient
+
+# Fast simulated engines: 1 ms steps, so hundreds of samples finish in seconds.
+FAST_SIM = {"decode_base_s": 0.001, "decode_per_seq_s": 0.00002, "length_median": 24, "length_sigma": 0.6}
+
+
+def sim_config(**engine) -> ServiceConfig:
+    engine.setdefault("sim", dict(FAST_SIM))
+    return ServiceConfig(grpc_port=0, http_port=0, engine=EngineConfig(kind="sim", **engine))
+
+
+@pytest.fixture(scope="session")
+async def sim_service():
+    """One service on 2 simulated engines for the whole session."""
+    service = RolloutService(sim_config(num_engines=2))
+    await service.start()
+    yield service
+    await service.stop()
+
+
+@pytest.fixture
+async def client(sim_service):
+    async with RolloutClient(f"127.0.0.1:{sim_service.grpc_port}", consumer_id=f"test-{uuid.uuid4().hex[:8]}") as c:
+        yield c
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"

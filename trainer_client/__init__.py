@@ -1,0 +1,10 @@
+"""Trainer-side client of the rollout service.
+
+    from trainer_client import RolloutClient, PromptGroup      # asyncio
+    from trainer_client import SyncRolloutClient               # plain Python
+"""
+from trainer_client.client import RolloutClient
+from trainer_client.sync import SyncRolloutClient
+from trainer_client.types import CompletedSample, PromptGroup
+
+__all__ = ["RolloutClient", "SyncRolloutClient", "CompletedSample", "PromptGroup"]

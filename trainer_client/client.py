@@ -1,0 +1,190 @@
+"""The asyncio client of the rollout service (speaks only rollout.v1)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from typing import AsyncIterator, Iterable, Mapping
+
+import grpc
+
+from rollout_proto import rollout_pb2 as pb
+from rollout_proto import rollout_pb2_grpc as pb_grpc
+from trainer_client import weights as _weights
+from trainer_client.types import CompletedSample, PromptGroup
+
+log = logging.getLogger(__name__)
+
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED}
+
+
+def _group_pb(g: PromptGroup) -> pb.PromptGroup:
+    sampling = pb.SamplingParams(max_tokens=g.max_tokens, stop_token_ids=g.stop_token_ids)
+    if g.temperature is not None:
+        sampling.temperature = g.temperature
+    if g.top_p is not None:
+        sampling.top_p = g.top_p
+    if g.top_k is not None:
+        sampling.top_k = g.top_k
+    if g.seed is not None:
+        sampling.seed = g.seed
+    return pb.PromptGroup(
+        group_id=g.group_id,
+        prompt_token_ids=g.prompt_token_ids or [],
+        prompt_text=g.prompt_text,
+        num_samples=g.num_samples,
+        sampling=sampling,
+        prompt_id=g.prompt_id,
+        metadata=g.metadata,
+    )
+
+
+class RolloutClient:
+    """Submit GRPO groups, stream completed samples, push weights.
+
+    Usage::
+
+        async with RolloutClient("localhost:50051", consumer_id="trainer-0") as client:
+            await client.submit([PromptGroup(prompt_token_ids=ids, num_samples=8, max_tokens=512)])
+            async for group in client.groups():      # complete GRPO groups
+                train_on(group)                       # acknowledged when you ask for the next
+                await client.push_weights(model.state_dict(), version=step + 1)
+
+    Streams acknowledge what the caller has consumed and, after a broken
+    connection, reconnect and resume after the last sample received, so a
+    consumer sees every sample once.
+    """
+
+    def __init__(
+        self,
+        address: str = "localhost:50051",
+        consumer_id: str | None = None,
+        max_message_mb: int = 64,
+        reconnect_timeout_s: float = 60.0,
+    ) -> None:
+        self.address = address
+        self.consumer_id = consumer_id or f"consumer-{uuid.uuid4().hex[:8]}"
+        self.reconnect_timeout_s = reconnect_timeout_s
+        max_msg = max_message_mb * 1024 * 1024
+        self._channel = grpc.aio.insecure_channel(
+            address,
+            options=[("grpc.max_receive_message_length", max_msg), ("grpc.max_send_message_length", max_msg)],
+        )
+        self._stub = pb_grpc.RolloutServiceStub(self._channel)
+        self.last_cursor = 0  # highest cursor received
+        self.acked_cursor = 0
+
+    async def __aenter__(self) -> "RolloutClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def wait_ready(self, timeout: float = 60.0) -> None:
+        """Wait until the server accepts connections."""
+        await asyncio.wait_for(self._channel.channel_ready(), timeout)
+
+    # -- generation ------------------------------------------------------------
+
+    async def submit(self, groups: Iterable[PromptGroup], batch_id: str = "") -> list[str]:
+        """Enqueue groups; returns their ids (server-assigned where empty).
+        Retrying with the same group ids never creates a group twice."""
+        reply = await self._stub.Submit(pb.SubmitRequest(groups=[_group_pb(g) for g in groups], batch_id=batch_id))
+        return list(reply.group_ids)
+
+    async def submit_detailed(self, groups: Iterable[PromptGroup], batch_id: str = "") -> list[tuple[str, bool]]:
+        """Like submit, with whether each group was created (False: it existed)."""
+        reply = await self._stub.Submit(pb.SubmitRequest(groups=[_group_pb(g) for g in groups], batch_id=batch_id))
+        return list(zip(reply.group_ids, reply.created))
+
+    async def stream(self, ack_every: int = 64, from_cursor: int | None = None) -> AsyncIterator[CompletedSample]:
+        """Every completed sample, as it completes, in cursor order.
+
+        A sample counts as consumed when the caller asks for the next one;
+        consumed samples are acknowledged every `ack_every` (and by `ack()`).
+        On a broken connection it reconnects and resumes after the last
+        cursor received."""
+        cursor = self.last_cursor if from_cursor is None else from_cursor
+        deadline = None
+        while True:
+            call = self._stub.StreamSamples(pb.StreamSamplesRequest(consumer_id=self.consumer_id, from_cursor=cursor))
+            try:
+                async for event in call:
+                    deadline = None
+                    if event.cursor <= cursor:
+                        continue  # already seen (re-delivery after a reconnect)
+                    cursor = self.last_cursor = event.cursor
+                    yield CompletedSample.from_pb(event.sample, event.cursor, event.group_complete)
+                    if cursor - self.acked_cursor >= ack_every:
+                        await self.ack(cursor)
+                return
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in _RETRYABLE:
+                    raise
+                loop = asyncio.get_running_loop()
+                deadline = deadline or loop.time() + self.reconnect_timeout_s
+                if loop.time() > deadline:
+                    raise
+                log.warning("sample stream broke (%s); reconnecting after cursor %d", exc.code().name, cursor)
+                await asyncio.sleep(0.5)
+            finally:
+                call.cancel()
+
+    async def groups(self, ack: bool = True) -> AsyncIterator[list[CompletedSample]]:
+        """Complete GRPO groups (samples ordered by index), as they complete.
+        A group is acknowledged once the caller asks for the next one."""
+        pending: dict[str, list[CompletedSample]] = {}
+        async for sample in self.stream(ack_every=1 << 62):
+            pending.setdefault(sample.group_id, []).append(sample)
+            if not sample.group_complete:
+                continue
+            group = sorted(pending.pop(sample.group_id), key=lambda s: s.index)
+            yield group
+            if ack:
+                # Everything below the oldest sample still buffered is consumed.
+                oldest = min((s[0].cursor for s in pending.values()), default=sample.cursor + 1)
+                await self.ack(oldest - 1)
+
+    async def ack(self, cursor: int | None = None) -> int:
+        """Acknowledge every sample up to `cursor` (default: all received)."""
+        cursor = self.last_cursor if cursor is None else cursor
+        if cursor <= self.acked_cursor:
+            return self.acked_cursor
+        reply = await self._stub.Ack(pb.AckRequest(consumer_id=self.consumer_id, cursor=cursor))
+        self.acked_cursor = max(self.acked_cursor, reply.acked_cursor)
+        return self.acked_cursor
+
+    async def abort(
+        self, group_ids: Iterable[str] = (), batch_id: str = "", all: bool = False, keep_partial: bool = False
+    ) -> tuple[int, list[CompletedSample]]:
+        """Stop groups; with keep_partial, returns the unfinished samples with
+        the tokens generated so far (finish_reason "aborted")."""
+        reply = await self._stub.Abort(
+            pb.AbortRequest(group_ids=list(group_ids), batch_id=batch_id, all=all, keep_partial=keep_partial)
+        )
+        return reply.aborted_groups, [CompletedSample.from_pb(s) for s in reply.partial_samples]
+
+    # -- weights -------------------------------------------------------------------
+
+    async def push_weights(
+        self, state_dict: Mapping[str, object], version: int, chunk_mb: float = 4.0, checksums: bool = True
+    ) -> pb.PushWeightsResponse:
+        """Stream a state dict (torch tensors or NumPy arrays) to the service;
+        returns when `version` serves on every engine."""
+        tensors = await asyncio.to_thread(_weights.flatten, state_dict)
+        specs = await asyncio.to_thread(_weights.manifest, tensors, checksums)
+        header = pb.WeightsHeader(version=version, tensors=specs)
+        return await self._stub.PushWeights(_weights.chunks(header, tensors, int(chunk_mb * 1024 * 1024)))
+
+    async def push_weights_file(self, path: str, version: int) -> pb.PushWeightsResponse:
+        """Same-host fast path: the server reads a safetensors file directly."""
+        header = pb.WeightsHeader(version=version, file_path=path)
+        return await self._stub.PushWeights(iter([pb.WeightsChunk(header=header)]))
+
+    # -- status ----------------------------------------------------------------------
+
+    async def status(self) -> pb.StatusResponse:
+        return await self._stub.GetStatus(pb.StatusRequest())
