@@ -82,9 +82,6 @@ def submit_request(req: pb.SubmitRequest, limits: ModelLimits, tokenizer: Tokeni
         raise FieldError("groups", "must contain at least 1 group")
     if len(req.groups) > limits.max_groups_per_submit:
         raise TooLarge(f"groups: {len(req.groups)} groups exceed the limit of {limits.max_groups_per_submit} per Submit")
-    total = sum(g.num_samples for g in req.groups)
-    if total > limits.max_samples_per_submit:
-        raise TooLarge(f"groups: {total} samples exceed the limit of {limits.max_samples_per_submit} per Submit")
     _check_id("batch_id", req.batch_id)
     specs = []
     for i, g in enumerate(req.groups):
@@ -127,6 +124,9 @@ def submit_request(req: pb.SubmitRequest, limits: ModelLimits, tokenizer: Tokeni
                 batch_id=req.batch_id,
             )
         )
+    total = sum(s.num_samples for s in specs)
+    if total > limits.max_samples_per_submit:
+        raise TooLarge(f"groups: {total} samples exceed the limit of {limits.max_samples_per_submit} per Submit")
     return specs
 
 

@@ -172,9 +172,7 @@ class RolloutCore:
                 if delta.token_ids:
                     if not req.first_token_at:
                         req.first_token_at = self.clock.now()
-                    req.append(delta.token_ids, delta.logprobs, [delta.version] * len(delta.token_ids))
-                    req.draft_tokens += delta.draft_tokens
-                    req.accepted_tokens += delta.accepted_tokens
+                    req.append_delta(delta)
                     self.counters["tokens_generated"] += len(delta.token_ids)
                 if delta.finish_reason is not None:
                     finish = delta.finish_reason

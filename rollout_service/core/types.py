@@ -137,10 +137,18 @@ class Request:
         )
 
     def append(self, token_ids: list[int], logprobs: list[float], versions: list[int]) -> None:
+        """Append tokens with one policy version per token."""
         self.token_ids.extend(token_ids)
         self.logprobs.extend(logprobs)
-        for v in versions:
-            self.versions.append(v)
+        self.versions.extend(versions)
+
+    def append_delta(self, delta: TokenDelta) -> None:
+        """Append an engine delta (all its tokens share one version)."""
+        self.token_ids.extend(delta.token_ids)
+        self.logprobs.extend(delta.logprobs)
+        self.versions.append(delta.version, len(delta.token_ids))
+        self.draft_tokens += delta.draft_tokens
+        self.accepted_tokens += delta.accepted_tokens
 
 
 @dataclass(slots=True)

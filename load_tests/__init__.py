@@ -1,0 +1,1 @@
+"""Load tests and benchmarks of the rollout service."""

@@ -1,0 +1,77 @@
+"""How fast completed samples reach one trainer over loopback.
+
+Starts the service on simulated engines whose steps cost (almost) nothing, so
+the figure measures the service itself: core bookkeeping, delivery log,
+protobuf encoding, gRPC streaming and the client's decoding.
+
+    python -m load_tests.delivery_throughput [--quick] [--report DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from pathlib import Path
+
+from rollout_service.config import EngineConfig, ServiceConfig
+from rollout_service.service import RolloutService
+from trainer_client import PromptGroup, RolloutClient
+
+
+async def measure(groups: int, samples: int, length: int, engines: int) -> dict:
+    sim = {"decode_base_s": 0.0, "decode_per_seq_s": 0.0, "prefill_per_token_s": 0.0, "max_seqs": 256}
+    cfg = ServiceConfig(grpc_port=0, http_port=0, engine=EngineConfig(kind="sim", num_engines=engines, max_seqs=256, sim=sim))
+    service = RolloutService(cfg)
+    await service.start()
+    try:
+        async with RolloutClient(f"127.0.0.1:{service.grpc_port}", consumer_id="bench") as client:
+            lengths = ",".join([str(length)] * samples)
+            t0 = time.perf_counter()
+            await client.submit(
+                PromptGroup(prompt_token_ids=[1, 5, 6, 7], num_samples=samples, max_tokens=length + 1,
+                            group_id=f"b{i}", metadata={"sim.target_lengths": lengths})
+                for i in range(groups)
+            )
+            n = tokens = 0
+            first = None
+            async for s in client.stream():
+                first = first or time.perf_counter()
+                n += 1
+                tokens += len(s.response_token_ids)
+                if n == groups * samples:
+                    break
+            wall = time.perf_counter() - t0
+    finally:
+        await service.stop()
+    return {
+        "samples": n,
+        "tokens": tokens,
+        "response_length": length,
+        "engines": engines,
+        "wall_s": round(wall, 3),
+        "samples_per_s": round(n / wall, 1),
+        "tokens_per_s": round(tokens / wall, 1),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="a small run (CI)")
+    p.add_argument("--report", help="directory for delivery_throughput.json")
+    args = p.parse_args()
+    groups = 64 if args.quick else 512
+    results = []
+    for length in (32, 512):
+        r = asyncio.run(measure(groups, 8, length, engines=4))
+        results.append(r)
+        print(f"{r['samples']:>6} samples x {length:>4} tokens: {r['samples_per_s']:>8.0f} samples/s "
+              f"{r['tokens_per_s']:>10.0f} tokens/s  ({r['wall_s']} s)", flush=True)
+    if args.report:
+        out = Path(args.report)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "delivery_throughput.json").write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

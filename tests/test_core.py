@@ -1,0 +1,105 @@
+"""Core behaviour: the simulated engine's batching, virtual time, bounded delivery memory."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+from rollout_service.core.clock import Clock, run_virtual
+from rollout_service.core.rollout import RolloutCore
+from rollout_service.core.types import GroupSpec, SamplingParams
+from rollout_service.core.versions import VersionTags
+from rollout_service.engines.sim import SimEngine, SimParams
+from rollout_service.scheduling import make_placement
+from rollout_service.service import RolloutService
+from trainer_client import PromptGroup, RolloutClient
+
+from conftest import sim_config
+from test_streaming import collect
+
+
+def _specs(n: int, samples: int, lengths: list[int] | None = None) -> list[GroupSpec]:
+    out = []
+    for i in range(n):
+        meta = {"sim.target_lengths": ",".join(map(str, lengths))} if lengths else {}
+        out.append(GroupSpec(f"g{i}", [1, 2, 3] * 10, samples, SamplingParams(max_tokens=100_000), metadata=meta))
+    return out
+
+
+async def _drive(core: RolloutCore, expected: int, watch=None) -> list:
+    await core.start()
+    got = []
+    async for entry in core.delivery.stream("c"):
+        got.append(entry)
+        if watch:
+            watch()
+        if len(got) == expected:
+            break
+    await core.stop()
+    return got
+
+
+def test_sim_engine_respects_max_seqs_and_kv_capacity():
+    params = SimParams(max_seqs=8, kv_capacity_tokens=2000, decode_base_s=0.01)
+    engine = SimEngine("e0", params)
+    peak = {"running": 0, "kv": 0}
+
+    def watch():
+        load = engine.load()
+        peak["running"] = max(peak["running"], load.running)
+        peak["kv"] = max(peak["kv"], load.kv_used_tokens)
+
+    async def main():
+        core = RolloutCore([engine], make_placement("least-assigned"), Clock())
+        core.submit(_specs(8, 4, lengths=[50, 100, 200, 400]))
+        return await _drive(core, 32, watch)
+
+    got = run_virtual(main())
+    assert len(got) == 32
+    assert peak["running"] <= 8
+    assert peak["kv"] <= 2000
+    assert {len(e.sample.response_token_ids) for e in got} == {50, 100, 200, 400}
+
+
+def test_virtual_time_simulates_hours_of_fleet_time_in_seconds():
+    engines = [SimEngine(f"e{i}", SimParams(decode_base_s=0.08, seed=i)) for i in range(16)]
+
+    async def main():
+        core = RolloutCore(engines, make_placement("least-assigned"), Clock())
+        core.submit(_specs(64, 8, lengths=[200, 400, 800, 1600, 3200, 400, 200, 100]))
+        t0 = asyncio.get_running_loop().time()
+        got = await _drive(core, 512)
+        return got, asyncio.get_running_loop().time() - t0
+
+    wall = time.perf_counter()
+    got, virtual_s = run_virtual(main())
+    wall = time.perf_counter() - wall
+    fleet_s = virtual_s * len(engines)
+    assert len(got) == 512
+    assert fleet_s > 3600, fleet_s  # over an hour of engine time...
+    assert wall < fleet_s / 50, (wall, fleet_s)  # ...in a small fraction of it
+
+
+def test_version_tags_run_length_encode_and_truncate():
+    tags = VersionTags()
+    tags.extend([3, 3, 3, 4, 4, 5])
+    assert tags.segments == [[3, 0, 3], [4, 3, 2], [5, 5, 1]]
+    assert tags.per_token() == [3, 3, 3, 4, 4, 5]
+    assert tags.truncated(4).per_token() == [3, 3, 3, 4]
+    assert (tags.min_version, tags.max_version) == (3, 5)
+
+
+async def test_acknowledged_samples_are_freed():
+    service = RolloutService(sim_config(num_engines=2))
+    await service.start()
+    try:
+        async with RolloutClient(f"127.0.0.1:{service.grpc_port}", consumer_id="only") as client:
+            await client.submit([PromptGroup(prompt_token_ids=[1, 5], num_samples=8, max_tokens=64, group_id=f"m{i}")
+                                 for i in range(20)])
+            got = await collect(client, "m", 160)
+            # The stream acknowledges consumed samples every 64; the rest are retained.
+            assert client.acked_cursor == 128
+            assert (await client.status()).retained_samples == 160 - 128
+            await client.ack(got[-1].cursor)
+            assert (await client.status()).retained_samples == 0
+    finally:
+        await service.stop()

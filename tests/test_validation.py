@@ -1,0 +1,170 @@
+"""Bad input gets a clear status naming the field; the server keeps serving."""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+
+import grpc
+import numpy as np
+import pytest
+
+from rollout_proto import rollout_pb2 as pb
+from trainer_client import PromptGroup
+
+from conftest import unique
+from test_streaming import collect
+
+
+def _group(**overrides) -> pb.PromptGroup:
+    g = pb.PromptGroup(prompt_token_ids=[1, 7, 8], num_samples=2, sampling=pb.SamplingParams(max_tokens=16))
+    for key, value in overrides.items():
+        if key.startswith("sampling."):
+            setattr(g.sampling, key.split(".", 1)[1], value)
+        elif key == "prompt_token_ids":
+            del g.prompt_token_ids[:]
+            g.prompt_token_ids.extend(value)
+        else:
+            setattr(g, key, value)
+    return g
+
+
+BAD_SUBMITS = [
+    ({"num_samples": 0}, "groups[0].num_samples"),
+    ({"num_samples": 100000}, "groups[0].num_samples"),
+    ({"sampling.max_tokens": 0}, "groups[0].sampling.max_tokens"),
+    ({"sampling.temperature": -0.5}, "groups[0].sampling.temperature"),
+    ({"sampling.temperature": float("nan")}, "groups[0].sampling.temperature"),
+    ({"sampling.top_p": 0.0}, "groups[0].sampling.top_p"),
+    ({"sampling.top_p": 1.5}, "groups[0].sampling.top_p"),
+    ({"prompt_token_ids": []}, "groups[0].prompt_token_ids"),
+    ({"prompt_token_ids": [1, 2, 10**6]}, "groups[0].prompt_token_ids[2]"),
+    ({"sampling.top_k": 0}, "groups[0].sampling.top_k"),
+]
+
+
+async def _valid_round_trip(client) -> None:
+    gid = unique("after-bad")
+    await client.submit([PromptGroup(prompt_token_ids=[1, 9], num_samples=2, max_tokens=16, group_id=gid)])
+    assert len(await collect(client, gid, 2, timeout=20)) == 2
+
+
+@pytest.mark.parametrize("overrides,field", BAD_SUBMITS, ids=[f for _, f in BAD_SUBMITS])
+async def test_bad_submit_is_invalid_argument_naming_the_field(client, overrides, field):
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await client._stub.Submit(pb.SubmitRequest(groups=[_group(**overrides)]))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in err.value.details()
+    await _valid_round_trip(client)
+
+
+async def test_error_message_states_the_allowed_range(client):
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await client._stub.Submit(pb.SubmitRequest(groups=[_group(num_samples=0)]))
+    assert err.value.details() == "groups[0].num_samples must be in [1, 1024], got 0"
+
+
+async def test_a_bad_group_rejects_the_whole_submit_and_creates_nothing(client):
+    good = _group(group_id=unique("good"))
+    with pytest.raises(grpc.aio.AioRpcError):
+        await client._stub.Submit(pb.SubmitRequest(groups=[good, _group(num_samples=0)]))
+    # The good group of the rejected request was not created: submitting it now creates it.
+    assert await client.submit_detailed([PromptGroup(prompt_token_ids=[1, 7], num_samples=1, max_tokens=4,
+                                                     group_id=good.group_id)]) == [(good.group_id, True)]
+
+
+async def test_abort_of_unknown_group_is_not_found(client):
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await client.abort(["no-such-group"])
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "group_ids" in err.value.details()
+    await _valid_round_trip(client)
+
+
+async def test_abort_with_no_selector_is_invalid_argument(client):
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await client.abort()
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_stream_without_consumer_id_is_invalid_argument(client):
+    call = client._stub.StreamSamples(pb.StreamSamplesRequest(consumer_id=""))
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for _ in call:
+            pass
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "consumer_id" in err.value.details()
+
+
+async def test_oversized_message_is_resource_exhausted(client):
+    huge = _group()
+    huge.metadata["pad"] = "x" * (70 * 1024 * 1024)  # over the 64 MiB message limit
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await client._stub.Submit(pb.SubmitRequest(groups=[huge]))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    await _valid_round_trip(client)
+
+
+async def test_too_many_groups_in_one_submit_is_resource_exhausted(client):
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await client._stub.Submit(pb.SubmitRequest(groups=[_group()] * 5000))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "groups" in err.value.details()
+
+
+def _header(version, arrays, **spec_overrides):
+    specs = []
+    for name, a in arrays.items():
+        spec = pb.TensorSpec(name=name, dtype=str(a.dtype), shape=list(a.shape), byte_length=a.nbytes,
+                             sha256=hashlib.sha256(a.tobytes()).hexdigest())
+        for k, v in spec_overrides.items():
+            setattr(spec, k, v)
+        specs.append(spec)
+    return pb.WeightsHeader(version=version, tensors=specs)
+
+
+async def _push(client, header, payload: bytes):
+    chunks = [pb.WeightsChunk(header=header)] + [pb.WeightsChunk(data=payload[i:i + 1000]) for i in range(0, len(payload), 1000)]
+    return await client._stub.PushWeights(iter(chunks))
+
+
+async def test_push_whose_bytes_do_not_match_the_manifest_is_rejected(client):
+    before = (await client.status()).policy_version
+    a = np.arange(1000, dtype=np.float32)
+    header = _header(before + 1, {"w": a})
+    cases = {
+        "truncated": a.tobytes()[:-8],
+        "too long": a.tobytes() + b"12345678",
+        "corrupt": a.tobytes()[:-4] + b"\0\0\0\1",
+    }
+    for name, payload in cases.items():
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await _push(client, header, payload)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
+        assert ("data" in err.value.details()) or ("sha256" in err.value.details()), name
+    bad_len = _header(before + 1, {"w": a}, byte_length=123)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await _push(client, bad_len, a.tobytes())
+    assert "header.tensors[0].byte_length" in err.value.details()
+    assert (await client.status()).policy_version == before
+    await _valid_round_trip(client)
+
+
+async def test_good_push_bumps_version_and_tags_new_tokens(client):
+    before = (await client.status()).policy_version
+    reply = await client.push_weights({"w": np.ones((64, 64), dtype=np.float32)}, version=before + 1)
+    assert reply.applied_version == before + 1
+    assert (await client.status()).policy_version == before + 1
+    gid = unique("after-push")
+    await client.submit([PromptGroup(prompt_token_ids=[1, 9], num_samples=2, max_tokens=16, group_id=gid)])
+    for s in await collect(client, gid, 2):
+        assert s.min_version == s.max_version == before + 1
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await client.push_weights({"w": np.ones(4, dtype=np.float32)}, version=before + 1)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "version" in err.value.details()
+
+
+async def test_server_survives_a_burst_of_bad_requests(client):
+    bad = [client._stub.Submit(pb.SubmitRequest(groups=[_group(**o)])) for o, _ in BAD_SUBMITS] * 5
+    results = await asyncio.gather(*bad, return_exceptions=True)
+    assert all(isinstance(r, grpc.aio.AioRpcError) and r.code() == grpc.StatusCode.INVALID_ARGUMENT for r in results)
+    await _valid_round_trip(client)
