@@ -15,6 +15,7 @@ from rollout_service.api.validation import FieldError, ModelLimits, TooLarge
 from rollout_service.core.rollout import CoreError, RolloutCore
 from rollout_service.core.weights import (
     ManifestError,
+    StagedWeights,
     TensorSpec,
     check_manifest,
     read_safetensors,
@@ -131,7 +132,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                     raise FieldError("data", f"the stream ended after {received} of the manifest's {total} bytes")
                 buffer = memoryview(buffer)
             tensors = await asyncio.to_thread(split_and_verify, specs, buffer)
-            version = await self.core.update_weights(header.version, {t.name: t for t in tensors})
+            staged = StagedWeights(tensors, source_path=header.file_path or None)
+            version = await self.core.update_weights(header.version, staged)
         except (FieldError, ManifestError, WeightsRejected, CoreError, OSError) as exc:
             if isinstance(exc, OSError):
                 exc = FieldError("header.file_path", f"cannot read {exc.filename!r}: {exc.strerror}")

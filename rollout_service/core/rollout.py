@@ -19,6 +19,7 @@ from typing import Iterable, Mapping, Protocol
 
 from rollout_service.core.clock import Clock
 from rollout_service.core.delivery import DeliveryLog
+from rollout_service.core.weights import StagedWeights
 from rollout_service.core.types import (
     FinishReason,
     Group,
@@ -49,6 +50,7 @@ class CoreLimits:
     max_queued_samples: int = 1_000_000  # samples waiting or running
     remembered_group_ids: int = 1_000_000  # for Submit idempotency after completion
     consumer_ttl_s: float = 3600.0
+    health_interval_s: float = 1.0  # how often engines are checked for death
 
 
 class RolloutCore:
@@ -75,6 +77,9 @@ class RolloutCore:
         self.counters: Counter[str] = Counter()
         self._wake = asyncio.Event()
         self._dispatcher: asyncio.Task | None = None
+        self._watcher: asyncio.Task | None = None
+        self._restarting: set[str] = set()
+        self._last_weights: StagedWeights | None = None
         self._weights_lock = asyncio.Lock()
         self.started_at = 0.0
 
@@ -84,10 +89,12 @@ class RolloutCore:
         self.started_at = self.clock.now()
         await asyncio.gather(*(e.start() for e in self.engines.values()))
         self._dispatcher = asyncio.create_task(self._dispatch_loop(), name="dispatch")
+        self._watcher = asyncio.create_task(self._watch_loop(), name="engine-watch")
 
     async def stop(self) -> None:
-        if self._dispatcher:
-            self._dispatcher.cancel()
+        for task in (self._dispatcher, self._watcher):
+            if task:
+                task.cancel()
         for _, task in list(self.running.values()):
             task.cancel()
         await asyncio.gather(*(e.close() for e in self.engines.values()), return_exceptions=True)
@@ -128,6 +135,38 @@ class RolloutCore:
     def knows(self, group_id: str) -> bool:
         return bool(group_id) and (group_id in self.groups or group_id in self._done_groups)
 
+    # -- engine health -----------------------------------------------------------
+
+    async def _watch_loop(self) -> None:
+        """Restart engines that died. Their requests were already re-queued
+        with their partial responses by the runners that saw them fail."""
+        while True:
+            await asyncio.sleep(self.limits.health_interval_s)
+            for engine_id, engine in self.engines.items():
+                if engine_id not in self._restarting and engine.load().state == "dead":
+                    self._restarting.add(engine_id)
+                    asyncio.create_task(self._restart(engine), name=f"restart-{engine_id}")
+
+    async def _restart(self, engine: Engine) -> None:
+        log.warning("engine %s died; restarting it", engine.engine_id)
+        self.counters["engine_restarts"] += 1
+        # Anything still placed there is lost to that process: continue it elsewhere.
+        for req, _ in [v for v in self.running.values() if v[0].engine_id == engine.engine_id]:
+            await self.preempt(req)
+            self._requeue(req)
+        try:
+            await engine.start()
+            if self._last_weights is not None:
+                # A fresh engine serves the model's original weights: bring it
+                # to the current policy before it takes requests.
+                await engine.update_weights(self.policy_version, self._last_weights)
+            log.info("engine %s is back", engine.engine_id)
+        except Exception:
+            log.exception("restart of %s failed; will retry", engine.engine_id)
+        finally:
+            self._restarting.discard(engine.engine_id)
+            self._wake.set()
+
     # -- dispatch --------------------------------------------------------------
 
     async def _dispatch_loop(self) -> None:
@@ -142,7 +181,7 @@ class RolloutCore:
     def dispatch(self) -> None:
         if not self.queue:
             return
-        loads = [e.load() for e in self.engines.values()]
+        loads = [e.load() for eid, e in self.engines.items() if eid not in self._restarting]
         for req, engine_id in self.placement.place(self.queue, loads, self.assigned):
             self._start(req, self.engines[engine_id])
 
@@ -304,12 +343,22 @@ class RolloutCore:
         for engine in self.engines.values():
             engine.check_weights(manifest)
 
-    async def update_weights(self, version: int, tensors: Mapping[str, object]) -> int:
-        """Apply weights on every engine at a safe point and bump the policy
-        version; tokens sampled afterwards carry the new version."""
+    async def update_weights(self, version: int, weights: StagedWeights) -> int:
+        """Apply verified weights on every engine at a safe point, then bump
+        the policy version; tokens sampled afterwards carry the new version.
+        If an engine fails, the serving version stays and the error is raised
+        (each token's tag still names the weights that produced it)."""
         async with self._weights_lock:
             self.check_weights(version, {})
-            await asyncio.gather(*(e.update_weights(version, tensors) for e in self.engines.values()))
+            try:
+                await asyncio.gather(*(e.update_weights(version, weights) for e in self.engines.values()))
+            except BaseException:
+                weights.cleanup()
+                raise
+            # Kept staged so that an engine restarted later gets the same weights.
+            previous, self._last_weights = self._last_weights, weights
+            if previous is not None:
+                previous.cleanup()
             self.policy_version = version
             self.counters["weight_updates"] += 1
             return version

@@ -11,6 +11,7 @@ import hashlib
 import json
 import math
 import mmap
+import os
 import struct
 from dataclasses import dataclass
 
@@ -118,3 +119,66 @@ def read_safetensors(path: str) -> tuple[list[TensorSpec], memoryview]:
     start = items[0][1]["data_offsets"][0] if items else 0
     end = items[-1][1]["data_offsets"][1] if items else 0
     return specs, view[base + start : base + end]
+
+
+_TO_SAFETENSORS = {v: k for k, v in _SAFETENSORS_DTYPES.items()}
+
+
+def write_safetensors(path: str, tensors: list[WeightTensor]) -> None:
+    """Write tensors as a safetensors file (no framework needed)."""
+    header: dict[str, object] = {}
+    offset = 0
+    for t in tensors:
+        header[t.name] = {"dtype": _TO_SAFETENSORS[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(t.data)]}
+        offset += len(t.data)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for t in tensors:
+            f.write(t.data)
+
+
+class StagedWeights:
+    """A verified weight push, staged once for every engine of the fleet.
+
+    Engines that load from files call `as_file()`: the tensors are written
+    once to a staging file (in shared memory where the host has it) unless
+    the push already came as a file (the same-host fast path)."""
+
+    def __init__(self, tensors: list[WeightTensor], source_path: str | None = None) -> None:
+        self.tensors = tensors
+        self._path = source_path
+        self._owned = False
+        self._lock = None
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(len(t.data) for t in self.tensors)
+
+    async def as_file(self) -> str:
+        import asyncio
+
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            if self._path is not None and not os.path.exists(self._path):
+                self._path = None  # the pushed file was removed: stage our own copy
+            if self._path is None:
+                import tempfile
+
+                directory = "/dev/shm" if os.path.isdir("/dev/shm") else None
+                fd, path = tempfile.mkstemp(prefix="rollout-weights-", suffix=".safetensors", dir=directory)
+                os.close(fd)
+                await asyncio.to_thread(write_safetensors, path, self.tensors)
+                self._path, self._owned = path, True
+            return self._path
+
+    def cleanup(self) -> None:
+        if self._owned and self._path:
+            try:
+                os.unlink(self._path)
+            except FileNotFoundError:
+                pass
+            self._path, self._owned = None, False

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import AsyncIterator, Mapping, Protocol, runtime_checkable
 
 from rollout_service.core.types import EngineLoad, EngineRequest, PartialResponse, TokenDelta
+from rollout_service.core.weights import StagedWeights
 
 
 class EngineError(RuntimeError):
@@ -46,9 +47,9 @@ class Engine(Protocol):
         """Raise WeightsRejected if a manifest {name: (dtype, shape)} does not
         fit this engine's model. Called before any byte is applied."""
 
-    async def update_weights(self, version: int, tensors: Mapping[str, object]) -> None:
-        """Apply new policy weights at a safe point (between engine steps);
-        tokens sampled afterwards carry `version`."""
+    async def update_weights(self, version: int, weights: StagedWeights) -> None:
+        """Apply verified policy weights at a safe point (between engine
+        steps); tokens sampled afterwards carry `version`."""
 
     async def close(self) -> None:
         """Stop the engine and free its resources."""

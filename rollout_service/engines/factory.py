@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -74,4 +75,37 @@ def make_engines(cfg: EngineConfig, info: ModelInfo) -> list[Engine]:
         raise ValueError(f"engine.num_engines must be >= 1, got {cfg.num_engines}")
     if cfg.kind == "sim":
         return [SimEngine(f"sim-{i}", sim_params(cfg, info, i)) for i in range(cfg.num_engines)]
-    raise ValueError(f"engine.kind must be 'sim' (vllm engines are not built yet), got {cfg.kind!r}")
+    if cfg.kind == "vllm":
+        from rollout_service.engines.vllm import VllmEngine
+
+        binds = _cpu_binds(cfg.num_engines)
+        return [
+            VllmEngine(
+                f"vllm-{i}",
+                info.path,
+                max_seqs=cfg.max_seqs,
+                max_model_len=info.max_model_len,
+                kv_cache_gib=cfg.kv_cache_gib,
+                cpu_bind=binds[i] if binds else None,
+                seed=i,
+                vllm_args=cfg.vllm_args,
+            )
+            for i in range(cfg.num_engines)
+        ]
+    raise ValueError(f"engine.kind must be 'sim' or 'vllm', got {cfg.kind!r}")
+
+
+def _cpu_binds(n: int) -> list[str] | None:
+    """On a CPU platform, give each engine its own cores (OpenMP binding);
+    None on GPUs."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    per = max(1, len(cores) // n)
+    binds = []
+    for i in range(n):
+        chunk = cores[(i * per) % len(cores):][:per] or cores[:per]
+        binds.append(",".join(map(str, chunk)))
+    return binds

@@ -24,6 +24,16 @@ decode_per_seq_s ~= 0.15 ms. `load_tests/calibrate.py` refits them.
 Token ids are deterministic in (seed, request id, position); the response
 length is the `target_length` hint when given (PolyTrace replay), else drawn
 from a log-normal with a heavy tail, seeded by the request id.
+
+Steps are simulated in runs: while the batch does not change (no request
+finishes, arrives, is aborted or outgrows the cache, no weight update), the
+step times follow in closed form, so the engine sleeps once for the whole run
+and emits each request's tokens of the run as one delta. Anything that would
+change the batch mid-run (`add`, `abort`, `update_weights`) cuts the run at
+the end of the step in progress, exactly where the step-by-step loop would
+have reacted; an aborted request keeps the tokens of every completed step.
+Timing, admission, preemption and finish times are those of the step-by-step
+loop; only the granularity of the deltas differs.
 """
 from __future__ import annotations
 
@@ -34,6 +44,8 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Mapping
+
+import numpy as np
 
 from rollout_service.core.types import (
     EngineLoad,
@@ -74,6 +86,13 @@ class _Seq:
     versions: list[int] = field(default_factory=list)
     prefilled: bool = False
     done: bool = False
+    key: int = 0  # hash of (seed, request id): token ids derive from it
+
+    def steps_to_finish(self) -> int:
+        """Engine steps until this request stops (end token or budget)."""
+        stop = self.target_total - self.total_generated  # the end token is sampled at total - 1
+        budget = self.request.max_new_tokens - len(self.generated)
+        return max(1, min(stop, budget))
 
     @property
     def context(self) -> int:
@@ -88,6 +107,60 @@ class _Seq:
 def _hash_u64(*parts: object) -> int:
     h = hashlib.blake2b(repr(parts).encode(), digest_size=8)
     return int.from_bytes(h.digest(), "little")
+
+
+_M64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser: a well-mixed 64-bit hash of a 64-bit value."""
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def _mix64_np(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        x = x + np.uint64(0x9E3779B97F4A7C15)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+
+@dataclass(slots=True)
+class _Run:
+    """Consecutive steps of an unchanged batch. Step i (1-based) lasts
+    `per_step_s + ctx_s * (ctx0 + (i - 1) * n)`, the first also `prefill_s`."""
+
+    t0: float
+    seqs: list[_Seq]
+    steps: int  # planned (cut short by an interruption)
+    n: int
+    ctx0: int
+    per_step_s: float
+    ctx_s: float
+    prefill_s: float
+    version: int
+    done: asyncio.Future
+    timer: asyncio.TimerHandle | None = None
+
+    def elapsed(self, j: int) -> float:
+        """Seconds from the run's start to the end of its j-th step."""
+        if j <= 0:
+            return 0.0
+        return self.prefill_s + j * self.per_step_s + self.ctx_s * (j * self.ctx0 + self.n * j * (j - 1) / 2)
+
+    def steps_done(self, now: float) -> int:
+        """Steps of this run completed by `now`."""
+        lo, hi = 0, self.steps
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.t0 + self.elapsed(mid) <= now:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
 
 class SimEngine:
@@ -107,10 +180,13 @@ class SimEngine:
         self._step_lock = asyncio.Lock()
         self._task: asyncio.Task | None = None
         self._tokens_per_s = 0.0
+        self._run: _Run | None = None
         self.busy_s = 0.0  # time spent in steps with work (for utilisation)
+        self.slot_s = 0.0  # sum over steps of running sequences x step time
         self.steps = 0
 
     async def start(self) -> None:
+        self._run = None
         self._task = asyncio.create_task(self._loop(), name=f"sim-{self.engine_id}")
         self._state = "ready"
 
@@ -128,9 +204,14 @@ class SimEngine:
         if request.request_id in self._seqs:
             raise EngineError(f"request {request.request_id} already running on {self.engine_id}")
         seq = _Seq(request, self._target_length(request), asyncio.Queue())
+        seq.key = _hash_u64(self.params.seed, request.request_id)
         self._seqs[request.request_id] = seq
+        # Behind a waiting request it cannot be admitted before a finish.
+        admissible = not self._waiting and len(self._running) < self.params.max_seqs
         self._waiting.append(seq)
         self._wake.set()
+        if admissible:
+            self._cut_run()
         return self._deltas(seq)
 
     async def _deltas(self, seq: _Seq) -> AsyncIterator[TokenDelta]:
@@ -144,10 +225,19 @@ class SimEngine:
         seq = self._seqs.pop(request_id, None)
         if seq is None:
             return PartialResponse([], [], [])
+        run = self._run
+        if run is not None and seq in run.seqs:
+            # Completed steps count; the step in progress (the run's last
+            # step once its timer fired) is not complete for this request.
+            done = min(run.steps_done(asyncio.get_running_loop().time()), run.steps - 1)
+            run.seqs.remove(seq)
+            if done > 0:
+                self._emit(seq, done, run.version)
         if seq in self._running:
             self._running.remove(seq)
         elif seq in self._waiting:
             self._waiting.remove(seq)
+        self._cut_run()
         seq.done = True
         seq.queue.put_nowait(TokenDelta([], [], self._version, FinishReason.ABORTED))
         return PartialResponse(list(seq.generated), list(seq.logprobs), list(seq.versions))
@@ -160,7 +250,7 @@ class SimEngine:
             running=len(self._running),
             waiting=len(self._waiting),
             max_seqs=self.params.max_seqs,
-            kv_used_tokens=sum(s.context for s in self._running),
+            kv_used_tokens=self._kv_used_now(),
             kv_capacity_tokens=self.params.kv_capacity_tokens,
             tokens_per_s=self._tokens_per_s,
             policy_version=self._version,
@@ -170,7 +260,8 @@ class SimEngine:
         # A simulated engine has no parameters to match; any manifest fits.
         return None
 
-    async def update_weights(self, version: int, tensors: Mapping[str, object]) -> None:
+    async def update_weights(self, version: int, weights: object) -> None:
+        self._cut_run()
         async with self._step_lock:  # between two steps: a safe point
             prev, self._state = self._state, "updating"
             await asyncio.sleep(self.params.weight_update_s)
@@ -215,28 +306,111 @@ class SimEngine:
             seq.prefilled = False  # recompute on re-admission
             self._waiting.appendleft(seq)
 
-    def _step_time(self, prefill_tokens: int) -> float:
+    def _kv_used_now(self) -> int:
+        used = sum(s.context for s in self._running)
+        run = self._run
+        if run is not None:
+            # Tokens of the run's completed steps are not appended yet.
+            done = min(run.steps_done(asyncio.get_running_loop().time()), run.steps - 1)
+            used += done * len(run.seqs)
+        return used
+
+    def _plan(self, prefill_tokens: int, now: float) -> _Run:
+        """The run of steps until the batch changes by itself: the first
+        finish, or the step whose start would overflow the KV cache."""
         p = self.params
-        ctx = sum(s.context for s in self._running)
-        return (
-            p.decode_base_s
-            + p.decode_per_seq_s * len(self._running)
-            + p.decode_per_ctx_token_s * ctx
-            + p.prefill_per_token_s * prefill_tokens
+        n = len(self._running)
+        ctx0 = sum(s.context for s in self._running)
+        steps = min(s.steps_to_finish() for s in self._running)
+        if n > 1:
+            # Step i starts with ctx0 + (i-1)n tokens; it is preempted if that plus n exceeds the cache.
+            steps = min(steps, max(1, (p.kv_capacity_tokens - ctx0) // n))
+        return _Run(
+            t0=now,
+            seqs=list(self._running),
+            steps=steps,
+            n=n,
+            ctx0=ctx0,
+            per_step_s=p.decode_base_s + p.decode_per_seq_s * n,
+            ctx_s=p.decode_per_ctx_token_s,
+            prefill_s=p.prefill_per_token_s * prefill_tokens,
+            version=self._version,
+            done=asyncio.get_running_loop().create_future(),
         )
 
-    def _sample_token(self, seq: _Seq) -> tuple[int, float]:
+    def _cut_run(self) -> None:
+        """End the current run with the step in progress (the batch is about
+        to change: a request arrived or left, or weights wait to be applied)."""
+        run = self._run
+        if run is None or run.done.done():
+            return
+        loop = asyncio.get_running_loop()
+        steps = run.steps_done(loop.time()) + 1
+        if steps >= run.steps:
+            return
+        run.steps = steps
+        if run.timer is not None:
+            run.timer.cancel()
+        run.timer = loop.call_at(run.t0 + run.elapsed(steps), _resolve, run.done)
+
+    def _tokens(self, seq: _Seq, count: int) -> tuple[list[int], list[float]]:
+        """The next `count` tokens of `seq` and their logprobs: a hash of
+        (seed, request id, position), the end token at `target_total - 1`."""
         p = self.params
-        pos = seq.total_generated
-        if pos + 1 >= seq.target_total:
-            return p.eos_token_id, -0.1
-        h = _hash_u64(p.seed, seq.request.request_id, pos)
-        token = h % p.vocab_size
-        if token == p.eos_token_id:
-            token = (token + 1) % p.vocab_size
-        return token, -((h >> 32) % 1000) / 250.0
+        start = seq.total_generated
+        if count < 16:
+            hs = [_mix64((seq.key + pos) & _M64) for pos in range(start, start + count)]
+            tokens = [h % p.vocab_size for h in hs]
+            logprobs = [-((h >> 32) % 1000) / 250.0 for h in hs]
+        else:
+            pos = np.arange(start, start + count, dtype=np.uint64)
+            with np.errstate(over="ignore"):
+                hs = _mix64_np(pos + np.uint64(seq.key))
+            tokens_np = hs % np.uint64(p.vocab_size)
+            tokens = tokens_np.astype(np.int64).tolist()
+            logprobs = (-((hs >> np.uint64(32)) % np.uint64(1000)).astype(np.float64) / 250.0).tolist()
+        for i, t in enumerate(tokens):
+            if start + i + 1 >= seq.target_total:
+                tokens[i], logprobs[i] = p.eos_token_id, -0.1
+            elif t == p.eos_token_id:
+                tokens[i] = (t + 1) % p.vocab_size
+        return tokens, logprobs
+
+    def _emit(self, seq: _Seq, count: int, version: int) -> FinishReason | None:
+        """Append `count` steps of tokens to `seq` and hand them to its stream."""
+        tokens, logprobs = self._tokens(seq, count)
+        seq.generated.extend(tokens)
+        seq.logprobs.extend(logprobs)
+        seq.versions.extend([version] * count)
+        finish = None
+        if tokens[-1] == self.params.eos_token_id:
+            finish = FinishReason.STOP
+        elif len(seq.generated) >= seq.request.max_new_tokens:
+            finish = FinishReason.LENGTH
+        seq.queue.put_nowait(TokenDelta(tokens, logprobs, version, finish))
+        return finish
+
+    def _complete(self, run: _Run) -> None:
+        """Account for a finished run and deliver its tokens."""
+        m = run.steps
+        dt = run.elapsed(m)
+        self.busy_s += dt
+        self.slot_s += dt * run.n
+        self.steps += m
+        for seq in run.seqs:
+            if seq.done:
+                continue
+            finish = self._emit(seq, m, run.version)
+            if finish is not None:
+                seq.done = True
+                self._running.remove(seq)
+                self._seqs.pop(seq.request.request_id, None)
+        if dt > 0:
+            decay = 0.9 ** m
+            self._tokens_per_s = decay * self._tokens_per_s + (1 - decay) * (run.n * m / dt)
 
     async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
             if not self._running and not self._waiting:
                 self._wake.clear()
@@ -248,28 +422,14 @@ class SimEngine:
                 if not self._running:
                     await asyncio.sleep(self.params.decode_base_s)
                     continue
-                dt = self._step_time(prefill)
-                await asyncio.sleep(dt)
-                self.busy_s += dt
-                self.steps += 1
-                produced = 0
-                for seq in list(self._running):
-                    if seq.done:
-                        continue
-                    token, logprob = self._sample_token(seq)
-                    seq.generated.append(token)
-                    seq.logprobs.append(logprob)
-                    seq.versions.append(self._version)
-                    produced += 1
-                    finish = None
-                    if token == self.params.eos_token_id:
-                        finish = FinishReason.STOP
-                    elif len(seq.generated) >= seq.request.max_new_tokens:
-                        finish = FinishReason.LENGTH
-                    seq.queue.put_nowait(TokenDelta([token], [logprob], self._version, finish))
-                    if finish is not None:
-                        seq.done = True
-                        self._running.remove(seq)
-                        self._seqs.pop(seq.request.request_id, None)
-                rate = produced / dt if dt > 0 else 0.0
-                self._tokens_per_s = 0.9 * self._tokens_per_s + 0.1 * rate
+                run = self._plan(prefill, loop.time())
+                self._run = run
+                run.timer = loop.call_at(run.t0 + run.elapsed(run.steps), _resolve, run.done)
+                await run.done
+                self._run = None
+                self._complete(run)
+
+
+def _resolve(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)

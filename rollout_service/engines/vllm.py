@@ -1,0 +1,361 @@
+"""`VllmEngine`: the engine protocol on vLLM's `AsyncLLM` (CPU or GPU, same code).
+
+Each engine is one `AsyncLLM` with its own engine-core process. Tokens come
+back as deltas with the sampled token's logprob (vLLM's processed logprobs:
+after temperature and top-p, i.e. the behaviour policy's); each token is
+tagged with the weight version vLLM's engine core attached to the step that
+produced it (`finish_weight_update`/`update_weight_version`), so tags stay
+exact across a weight update even when deltas are merged in flight.
+
+Weight updates use vLLM's RL hooks: `pause_generation(mode="keep")` (running
+requests are frozen, not lost), an in-place reload in the worker from a
+staged safetensors file (`RolloutWorkerExtension`), `update_weight_version`,
+`resume_generation()`.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import struct
+import threading
+import time
+from pathlib import Path
+from typing import AsyncIterator, Mapping
+
+from rollout_service.core.types import (
+    EngineLoad,
+    EngineRequest,
+    FinishReason,
+    PartialResponse,
+    TokenDelta,
+)
+from rollout_service.core.weights import StagedWeights
+from rollout_service.engines.base import EngineError, WeightsRejected
+
+log = logging.getLogger(__name__)
+
+_SPAWN_LOCK = threading.Lock()  # engines spawn one at a time (they share os.environ)
+_ST_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I64": "int64", "I32": "int32"}
+
+
+def checkpoint_manifest(model_dir: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """{name: (dtype, shape)} of a model directory's safetensors files."""
+    out: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        header.pop("__metadata__", None)
+        for name, meta in header.items():
+            out[name] = (_ST_DTYPES.get(meta["dtype"], meta["dtype"]), tuple(meta["shape"]))
+    return out
+
+
+class _LoadLogger:
+    """A vLLM stat logger that keeps the latest scheduler statistics."""
+
+    def __init__(self, engine: "VllmEngine") -> None:
+        self.engine = engine
+
+    def __call__(self, vllm_config, engine_index: int = 0):  # the factory vLLM calls
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        engine = self.engine
+
+        class Logger(StatLoggerBase):
+            def __init__(self, *_):
+                pass
+
+            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
+                if scheduler_stats is not None:
+                    engine._running = scheduler_stats.num_running_reqs
+                    engine._waiting = scheduler_stats.num_waiting_reqs
+                    engine._kv_usage = scheduler_stats.kv_cache_usage
+                if iteration_stats is not None:
+                    engine._count_tokens(iteration_stats.num_generation_tokens)
+
+            def log_engine_initialized(self):
+                pass
+
+        return Logger()
+
+
+class _Seq:
+    __slots__ = ("generated", "logprobs", "versions", "done")
+
+    def __init__(self) -> None:
+        self.generated: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+        self.done = False
+
+
+class VllmEngine:
+    kind = "vllm"
+
+    def __init__(
+        self,
+        engine_id: str,
+        model: str,
+        *,
+        max_seqs: int = 64,
+        max_model_len: int = 2048,
+        kv_cache_gib: float = 1.0,
+        cpu_bind: str | None = None,
+        seed: int = 0,
+        vllm_args: Mapping[str, object] | None = None,
+    ) -> None:
+        self.engine_id = engine_id
+        self.model = model
+        self.max_seqs = max_seqs
+        self.max_model_len = max_model_len
+        self.kv_cache_gib = kv_cache_gib
+        self.cpu_bind = cpu_bind
+        self.seed = seed
+        self.vllm_args = dict(vllm_args or {})
+        self._llm = None
+        self._state = "starting"
+        self._version = 0
+        self._seqs: dict[str, _Seq] = {}
+        self._running = self._waiting = 0
+        self._kv_usage = 0.0
+        self._tok_window: list[tuple[float, int]] = []
+        self._manifest = checkpoint_manifest(model)
+        self._update_lock = asyncio.Lock()
+        self.restarts = 0
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start (or restart, after a death) the engine; returns when ready."""
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        if self._llm is not None:
+            self._shutdown_llm()
+            self.restarts += 1
+        self._state = "starting"
+        self._version = 0  # a fresh engine serves the model directory's weights
+        args = dict(
+            model=self.model,
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=self.max_model_len,
+            max_num_seqs=self.max_seqs,
+            seed=self.seed,
+            worker_extension_cls="rollout_service.engines.vllm_worker.RolloutWorkerExtension",
+            logprobs_mode="processed_logprobs",
+            disable_log_stats=False,
+        )
+        args.update(self.vllm_args)
+        # Engine processes read these at spawn: set them for this engine only.
+        # Construction blocks until the engine core is up (~20 s on a CPU), so
+        # it runs in a thread: a restart must not stall the other engines.
+        env = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, round(self.kv_cache_gib)))}
+        if self.cpu_bind is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_bind
+
+        def build():
+            with _SPAWN_LOCK:
+                saved = {k: os.environ.get(k) for k in env}
+                os.environ.update(env)
+                try:
+                    return AsyncLLM.from_engine_args(AsyncEngineArgs(**args), stat_loggers=[_LoadLogger(self)])
+                finally:
+                    for k, v in saved.items():
+                        if v is None:
+                            os.environ.pop(k, None)
+                        else:
+                            os.environ[k] = v
+
+        self._llm = await asyncio.to_thread(build)
+        await self._llm.update_weight_version(str(self._version))
+        self._state = "ready"
+        log.info("%s ready (%s, pid %s)", self.engine_id, self.model, self.engine_core_pid)
+
+    @property
+    def engine_core_pid(self) -> int | None:
+        try:
+            return self._llm.engine_core.resources.engine_manager.processes[0].pid
+        except (AttributeError, IndexError):
+            return None
+
+    def _shutdown_llm(self) -> None:
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            try:
+                llm.shutdown()
+            except Exception as exc:  # a dead engine may fail to shut down cleanly
+                log.debug("shutdown of %s: %s", self.engine_id, exc)
+
+    async def close(self) -> None:
+        self._state = "dead"
+        self._shutdown_llm()
+
+    def _alive(self) -> bool:
+        return self._llm is not None and not self._llm.errored
+
+    # -- generation --------------------------------------------------------------
+
+    def _sampling_params(self, request: EngineRequest):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        sp = request.sampling
+        return SamplingParams(
+            n=1,
+            temperature=sp.temperature,
+            top_p=sp.top_p,
+            top_k=sp.top_k if sp.top_k > 0 else 0,
+            max_tokens=request.max_new_tokens,
+            stop_token_ids=list(sp.stop_token_ids),
+            seed=sp.seed,
+            logprobs=0,
+            output_kind=RequestOutputKind.DELTA,
+            skip_special_tokens=False,
+            detokenize=False,
+        )
+
+    def add(self, request: EngineRequest) -> AsyncIterator[TokenDelta]:
+        if not self._alive() or self._state == "dead":
+            raise EngineError(f"engine {self.engine_id} is not running")
+        if request.request_id in self._seqs:
+            raise EngineError(f"request {request.request_id} already running on {self.engine_id}")
+        seq = self._seqs[request.request_id] = _Seq()
+        return self._generate(request, seq)
+
+    def _versions_of(self, request_id: str, start: int, end: int) -> list[int]:
+        """Versions of output tokens [start, end) from vLLM's per-request
+        weight-version starts; the engine's current version if unavailable."""
+        state = self._llm.output_processor.request_states.get(request_id) if self._llm else None
+        starts = getattr(state, "weight_version_starts", None)
+        if not starts:
+            return [self._version] * (end - start)
+        out = []
+        for pos in range(start, end):
+            version = starts[0][0]
+            for v, s in starts:
+                if s <= pos:
+                    version = v
+            out.append(int(version))
+        return out
+
+    async def _generate(self, request: EngineRequest, seq: _Seq) -> AsyncIterator[TokenDelta]:
+        from vllm.inputs import TokensPrompt
+
+        prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids) + list(request.generated_token_ids))
+        rid = request.request_id
+        try:
+            async for out in self._llm.generate(prompt, self._sampling_params(request), rid):
+                comp = out.outputs[0]
+                ids = list(comp.token_ids)
+                lps = [next(iter(d.values())).logprob if d else 0.0 for d in (comp.logprobs or [])] if ids else []
+                if len(lps) < len(ids):
+                    lps += [0.0] * (len(ids) - len(lps))
+                start = len(seq.generated)
+                versions = self._versions_of(rid, start, start + len(ids))
+                if seq.done:
+                    return
+                seq.generated += ids
+                seq.logprobs += lps
+                seq.versions += versions
+                finish = None
+                if out.finished:
+                    finish = FinishReason.LENGTH if comp.finish_reason == "length" else FinishReason.STOP
+                    if comp.finish_reason == "abort":
+                        finish = FinishReason.ABORTED
+                # One delta per version run (a merged delta may span an update).
+                i = 0
+                while i < len(ids):
+                    j = i
+                    while j < len(ids) and versions[j] == versions[i]:
+                        j += 1
+                    last = j == len(ids)
+                    yield TokenDelta(ids[i:j], lps[i:j], versions[i], finish if last else None)
+                    i = j
+                if not ids and finish is not None:
+                    yield TokenDelta([], [], self._version, finish)
+                if finish is not None:
+                    return
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if seq.done:
+                return
+            raise EngineError(f"{self.engine_id}: {type(exc).__name__}: {exc}") from exc
+        finally:
+            self._seqs.pop(rid, None)
+        if seq.done:
+            return
+        raise EngineError(f"{self.engine_id}: stream of {rid} ended without a finish reason")
+
+    async def abort(self, request_id: str) -> PartialResponse:
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return PartialResponse([], [], [])
+        seq.done = True
+        if self._alive():
+            try:
+                await self._llm.abort(request_id)
+            except Exception as exc:
+                log.debug("abort %s on %s: %s", request_id, self.engine_id, exc)
+        return PartialResponse(list(seq.generated), list(seq.logprobs), list(seq.versions))
+
+    # -- load -----------------------------------------------------------------
+
+    def _count_tokens(self, n: int) -> None:
+        now = time.monotonic()
+        self._tok_window.append((now, n))
+        while self._tok_window and now - self._tok_window[0][0] > 5.0:
+            self._tok_window.pop(0)
+
+    def load(self) -> EngineLoad:
+        state = self._state
+        if state != "starting" and not self._alive():
+            state = "dead"
+        window = self._tok_window
+        rate = 0.0
+        if len(window) > 1:
+            span = max(window[-1][0] - window[0][0], 1e-3)
+            rate = sum(n for _, n in window[1:]) / span
+        return EngineLoad(
+            engine_id=self.engine_id,
+            kind=self.kind,
+            state=state,
+            running=self._running,
+            waiting=self._waiting,
+            max_seqs=self.max_seqs,
+            kv_used_tokens=int(self._kv_usage * 1_000_000),
+            kv_capacity_tokens=1_000_000,
+            tokens_per_s=rate,
+            policy_version=self._version,
+        )
+
+    # -- weights ----------------------------------------------------------------
+
+    def check_weights(self, manifest: Mapping[str, tuple[str, tuple[int, ...]]]) -> None:
+        for name, (dtype, shape) in manifest.items():
+            known = self._manifest.get(name)
+            if known is None:
+                raise WeightsRejected(f"header.tensors: unknown tensor name {name!r} for model {Path(self.model).name}")
+            if tuple(shape) != known[1]:
+                raise WeightsRejected(f"header.tensors: {name!r} has shape {list(shape)}, the model needs {list(known[1])}")
+            if dtype not in ("float32", "float16", "bfloat16"):
+                raise WeightsRejected(f"header.tensors: {name!r} has dtype {dtype}; send a floating-point dtype")
+
+    async def update_weights(self, version: int, weights: StagedWeights) -> None:
+        if not self._alive():
+            raise EngineError(f"engine {self.engine_id} is not running")
+        async with self._update_lock:
+            path = await weights.as_file()
+            self._state = "updating"
+            await self._llm.pause_generation(mode="keep", clear_cache=True)
+            try:
+                await self._llm.collective_rpc("rollout_reload_weights", args=(path,))
+                await self._llm.update_weight_version(str(version))
+                self._version = version
+            finally:
+                await self._llm.resume_generation()
+                self._state = "ready"

@@ -1,0 +1,200 @@
+"""Real vLLM CPU engines behind the real server, on the bundled tiny model.
+
+One service with 2 engines is shared by the module (vLLM start-up costs
+~20 s per engine on a CPU)."""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import signal
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm")
+torch = pytest.importorskip("torch")
+
+from rollout_proto import rollout_pb2 as pb  # noqa: E402
+from rollout_service.config import EngineConfig, ServiceConfig  # noqa: E402
+from rollout_service.engines.factory import default_model_path  # noqa: E402
+from rollout_service.service import RolloutService  # noqa: E402
+from trainer_client import PromptGroup, RolloutClient  # noqa: E402
+
+from conftest import unique  # noqa: E402
+from test_streaming import collect  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+MODEL = os.environ.get("ROLLOUT_TEST_MODEL") or default_model_path()
+PROMPTS = [[1, 40, 41, 42, 14], [1, 55, 20, 33, 14], [1, 60, 61, 12, 30], [1, 25, 26, 27, 28]]
+
+
+def _weights() -> dict[str, "torch.Tensor"]:
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(MODEL, "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+async def vllm_service():
+    cfg = ServiceConfig(grpc_port=0, http_port=0,
+                        engine=EngineConfig(kind="vllm", num_engines=2, model=MODEL, max_model_len=512, max_seqs=32))
+    service = RolloutService(cfg)
+    await service.start()
+    yield service
+    await service.stop()
+
+
+@pytest.fixture
+async def vclient(vllm_service):
+    async with RolloutClient(f"127.0.0.1:{vllm_service.grpc_port}", consumer_id=unique("v")) as c:
+        yield c
+
+
+async def _greedy(client, prompts=PROMPTS, max_tokens=24) -> list[tuple[list[int], int]]:
+    prefix = unique("greedy")
+    await client.submit([PromptGroup(prompt_token_ids=p, num_samples=1, max_tokens=max_tokens, temperature=0.0,
+                                     group_id=f"{prefix}-{i}") for i, p in enumerate(prompts)])
+    got = {s.group_id: s for s in await collect(client, prefix, len(prompts), timeout=120)}
+    return [(got[f"{prefix}-{i}"].response_token_ids, got[f"{prefix}-{i}"].max_version) for i in range(len(prompts))]
+
+
+async def test_logprobs_match_transformers_recomputation(vclient):
+    from transformers import AutoModelForCausalLM
+
+    prefix = unique("lp")
+    await vclient.submit([PromptGroup(prompt_token_ids=p, num_samples=2, max_tokens=40, temperature=1.0,
+                                      group_id=f"{prefix}-{i}") for i, p in enumerate(PROMPTS)])
+    samples = await collect(vclient, prefix, 2 * len(PROMPTS), timeout=120)
+    if (await vclient.status()).policy_version != 0:
+        pytest.skip("another test changed the weights")  # ordering guard; the module runs this first
+    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
+    worst = 0.0
+    for s in samples:
+        ids = torch.tensor([s.prompt_token_ids + s.response_token_ids])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(s.prompt_token_ids) - 1 : -1]
+        ref = torch.log_softmax(logits.double(), -1).gather(1, torch.tensor(s.response_token_ids)[:, None])[:, 0]
+        worst = max(worst, float((ref - torch.tensor(s.logprobs, dtype=torch.float64)).abs().max()))
+    # Stated tolerance: 1e-3 nats per token (float32 on both sides, different kernels).
+    assert worst < 1e-3, worst
+
+
+async def test_migrated_request_continues_from_its_prefix(vllm_service, vclient):
+    core = vllm_service.core
+    prompt = PROMPTS[0]
+    reference = (await _greedy(vclient, [prompt], max_tokens=120))[0][0]
+    gid = unique("mig")
+    await vclient.submit([PromptGroup(prompt_token_ids=prompt, num_samples=1, max_tokens=120, temperature=0.0, group_id=gid)])
+    req = core.groups[gid].requests[0]
+    deadline = time.time() + 60
+    while len(req.token_ids) < 20:
+        assert time.time() < deadline and req.finish_reason is None
+        await asyncio.sleep(0.01)
+    source = req.engine_id
+    target = next(e for e in core.engines if e != source)
+    await core.migrate(req, target)
+    [s] = await collect(vclient, gid, 1, timeout=60)
+    assert s.engines == [source, target] and s.num_migrations == 1
+    # Greedy decoding continued from the same prefix gives the un-migrated answer.
+    assert s.response_token_ids == reference
+    assert len(s.logprobs) == len(s.response_token_ids)
+
+
+def _header(version, tensors, override=None):
+    specs = []
+    for name, t in tensors.items():
+        raw = t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        spec = pb.TensorSpec(name=name, dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape),
+                             byte_length=len(raw), sha256=hashlib.sha256(raw).hexdigest())
+        specs.append(spec)
+    for (i, key), value in (override or {}).items():
+        if key == "shape":
+            del specs[i].shape[:]
+            specs[i].shape.extend(value)
+        else:
+            setattr(specs[i], key, value)
+    return pb.WeightsHeader(version=version, tensors=specs)
+
+
+async def _raw_push(client, header, payload: bytes):
+    msgs = [pb.WeightsChunk(header=header)] + [pb.WeightsChunk(data=payload[i:i + 65536]) for i in range(0, len(payload), 65536)]
+    return await client._stub.PushWeights(iter(msgs))
+
+
+async def test_corrupt_weight_pushes_leave_the_old_version_serving(vclient):
+    before_version = (await vclient.status()).policy_version
+    before = await _greedy(vclient)
+    w = _weights()
+    name = next(iter(w))
+    one = {name: w[name]}
+    raw = one[name].contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    flipped = bytearray(raw)
+    flipped[10] ^= 0xFF
+    cases = [
+        ("bad checksum", _header(before_version + 1, one), bytes(flipped), "sha256"),
+        ("truncated", _header(before_version + 1, one), raw[: len(raw) // 2], "data"),
+        ("wrong shape", _header(before_version + 1, one, {(0, "shape"): [7, 7], (0, "byte_length"): 196}), raw[:196], "shape"),
+        ("unknown name", _header(before_version + 1, one, {(0, "name"): "model.no_such.weight"}), raw, "unknown tensor"),
+    ]
+    for label, header, payload, word in cases:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await _raw_push(vclient, header, payload)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, label
+        assert word in err.value.details(), (label, err.value.details())
+    assert (await vclient.status()).policy_version == before_version
+    assert await _greedy(vclient) == before
+
+
+async def test_pushed_weights_change_outputs_and_tag_versions(vclient):
+    start = (await vclient.status()).policy_version
+    original = await _greedy(vclient)
+    w = _weights()
+    g = torch.Generator().manual_seed(0)
+    perturbed = {k: v + 0.5 * v.std() * torch.randn(v.shape, generator=g) if v.ndim == 2 else v for k, v in w.items()}
+    reply = await vclient.push_weights(perturbed, version=start + 1)
+    assert reply.applied_version == start + 1
+    changed = await _greedy(vclient)
+    assert [t for t, _ in changed] != [t for t, _ in original]
+    assert all(v == start + 1 for _, v in changed)
+    await vclient.push_weights(w, version=start + 2)
+    restored = await _greedy(vclient)
+    assert [t for t, _ in restored] == [t for t, _ in original]
+    assert all(v == start + 2 for _, v in restored)
+
+
+async def test_fast_path_push_from_a_file(vclient):
+    start = (await vclient.status()).policy_version
+    original = await _greedy(vclient)
+    reply = await vclient.push_weights_file(os.path.join(MODEL, "model.safetensors"), version=start + 1)
+    assert reply.applied_version == start + 1
+    again = await _greedy(vclient)
+    assert [t for t, _ in again] == [t for t, _ in original] or start > 0
+    assert all(v == start + 1 for _, v in again)
+
+
+async def test_killed_engine_loses_no_sample_and_comes_back(vllm_service, vclient):
+    core = vllm_service.core
+    victim = core.engines["vllm-0"]
+    restarts = victim.restarts
+    version = (await vclient.status()).policy_version
+    prefix = unique("kill")
+    await vclient.submit([PromptGroup(prompt_token_ids=PROMPTS[i % 4], num_samples=4, max_tokens=200, temperature=1.0,
+                                      group_id=f"{prefix}-{i}") for i in range(8)])
+    deadline = time.time() + 60
+    while not any(r.engine_id == "vllm-0" and len(r.token_ids) > 5 for r, _ in core.running.values()):
+        assert time.time() < deadline
+        await asyncio.sleep(0.05)
+    os.kill(victim.engine_core_pid, signal.SIGKILL)
+    samples = await collect(vclient, prefix, 32, timeout=240)
+    assert len({s.sample_id for s in samples}) == 32
+    assert all(s.finish_reason in ("stop", "length") for s in samples)
+    assert all(s.max_version == version for s in samples)
+    deadline = time.time() + 180
+    while not (victim.restarts == restarts + 1 and victim.load().state == "ready" and "vllm-0" not in core._restarting):
+        assert time.time() < deadline, "the killed engine did not come back"
+        await asyncio.sleep(0.5)
+    assert victim.load().policy_version == version  # restarted on the current weights
+    assert (await vclient.status()).counters["engine_restarts"] >= 1
