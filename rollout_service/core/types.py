@@ -6,6 +6,7 @@ tokens.
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
 
@@ -127,11 +128,16 @@ class Request:
         return {"target_length": values[self.index % len(values)].strip()}
 
     def engine_request(self) -> EngineRequest:
+        sampling = self.group.spec.sampling
+        if sampling.seed is not None:
+            # One seed per sample: a group's samples must differ. A resumed
+            # request restarts its stream (same distribution, other draws).
+            sampling = dataclasses.replace(sampling, seed=sampling.seed + self.index + 1_000_003 * max(0, self.attempt - 1))
         return EngineRequest(
             request_id=self.request_id,
             prompt_token_ids=self.group.spec.prompt_token_ids,
             generated_token_ids=list(self.token_ids),
-            sampling=self.group.spec.sampling,
+            sampling=sampling,
             max_new_tokens=self.remaining_tokens,
             hints=self.hints,
         )

@@ -1,0 +1,103 @@
+"""Rollout throughput through the service vs vLLM driven directly, on the
+same engines with the same prompts and seeds (so both produce the same tokens).
+
+    python -m load_tests.bench_vllm_throughput [--groups 32] [--samples 8] [--max-tokens 256]
+
+The service path is the whole product: gRPC Submit, placement, the engine
+protocol, version tagging, the delivery log, gRPC streaming to a client.
+The direct path calls `AsyncLLM.generate` on the same engine objects.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from pathlib import Path
+
+from rollout_service.config import EngineConfig, ServiceConfig
+from rollout_service.service import RolloutService
+from rollout_service.tasks import generate_problems, prompt_token_ids
+from trainer_client import PromptGroup, RolloutClient
+
+
+async def run(args) -> dict:
+    cfg = ServiceConfig(grpc_port=0, http_port=0, engine=EngineConfig(
+        kind="vllm", num_engines=args.engines, model=args.model, max_seqs=args.max_seqs))
+    service = RolloutService(cfg)
+    print(f"starting {args.engines} vLLM engines ...", flush=True)
+    await service.start()
+    prompts = [prompt_token_ids(p) for p in generate_problems(args.groups, seed=args.seed)]
+    try:
+        results = {}
+        for rnd in range(args.rounds):
+            # Service path.
+            async with RolloutClient(f"127.0.0.1:{service.grpc_port}", consumer_id=f"bench-{rnd}") as client:
+                t0 = time.perf_counter()
+                await client.submit(
+                    PromptGroup(prompt_token_ids=p, num_samples=args.samples, max_tokens=args.max_tokens,
+                                temperature=1.0, seed=1000 * i, group_id=f"r{rnd}-g{i}")
+                    for i, p in enumerate(prompts)
+                )
+                tokens = n = 0
+                async for s in client.stream():
+                    n += 1
+                    tokens += len(s.response_token_ids)
+                    if n == args.groups * args.samples:
+                        break
+                service_s = time.perf_counter() - t0
+            # Direct path: the same engines, the same requests and seeds, split evenly.
+            from vllm import SamplingParams
+            from vllm.inputs import TokensPrompt
+
+            engines = list(service.core.engines.values())
+            direct_tokens = 0
+
+            async def one(engine, i, j, p):
+                nonlocal direct_tokens
+                sp = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, seed=1000 * i + j, logprobs=0)
+                async for out in engine._llm.generate(TokensPrompt(prompt_token_ids=p), sp, f"direct-{rnd}-{i}-{j}"):
+                    if out.finished:
+                        direct_tokens += len(out.outputs[0].token_ids)
+
+            t0 = time.perf_counter()
+            jobs = [(i, j, p) for i, p in enumerate(prompts) for j in range(args.samples)]
+            await asyncio.gather(*(one(engines[k % len(engines)], i, j, p) for k, (i, j, p) in enumerate(jobs)))
+            direct_s = time.perf_counter() - t0
+            results = {
+                "engines": args.engines, "samples": n, "service_tokens": tokens, "direct_tokens": direct_tokens,
+                "service_s": round(service_s, 2), "direct_s": round(direct_s, 2),
+                "service_tokens_per_s": round(tokens / service_s, 1),
+                "direct_tokens_per_s": round(direct_tokens / direct_s, 1),
+                "ratio": round((tokens / service_s) / (direct_tokens / direct_s), 3),
+            }
+            print(f"round {rnd}: service {results['service_tokens_per_s']:.0f} tok/s ({tokens} tokens, {service_s:.1f}s), "
+                  f"direct {results['direct_tokens_per_s']:.0f} tok/s ({direct_tokens} tokens, {direct_s:.1f}s), "
+                  f"ratio {results['ratio']:.1%}", flush=True)
+    finally:
+        await service.stop()
+    return results
+
+
+def main() -> None:
+    from rollout_service.engines.factory import default_model_path
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=default_model_path())
+    p.add_argument("--engines", type=int, default=2)
+    p.add_argument("--groups", type=int, default=32)
+    p.add_argument("--samples", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--max-seqs", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=2, help="the first round warms up; the last one is reported")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--report")
+    args = p.parse_args()
+    r = asyncio.run(run(args))
+    if args.report:
+        Path(args.report).mkdir(parents=True, exist_ok=True)
+        (Path(args.report) / "vllm_throughput.json").write_text(json.dumps(r, indent=2))
+
+
+if __name__ == "__main__":
+    main()
