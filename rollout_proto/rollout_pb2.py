@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18rollout/v1/rollout.proto\x12\nrollout.v1\"\xbe\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x03\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\x8e\x02\n\x0bPromptGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x13\n\x0bprompt_text\x18\x03 \x01(\t\x12\x13\n\x0bnum_samples\x18\x04 \x01(\r\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.rollout.v1.SamplingParams\x12\x11\n\tprompt_id\x18\x06 \x01(\t\x12\x37\n\x08metadata\x18\x07 \x03(\x0b\x32%.rollout.v1.PromptGroup.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"J\n\rSubmitRequest\x12\'\n\x06groups\x18\x01 \x03(\x0b\x32\x17.rollout.v1.PromptGroup\x12\x10\n\x08\x62\x61tch_id\x18\x02 \x01(\t\"4\n\x0eSubmitResponse\x12\x11\n\tgroup_ids\x18\x01 \x03(\t\x12\x0f\n\x07\x63reated\x18\x02 \x03(\x08\"@\n\x14StreamSamplesRequest\x12\x13\n\x0b\x63onsumer_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66rom_cursor\x18\x02 \x01(\x04\"@\n\x0eVersionSegment\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\r\n\x05start\x18\x02 \x01(\r\x12\x0e\n\x06length\x18\x03 \x01(\r\"H\n\x06Timing\x12\x11\n\tqueued_at\x18\x01 \x01(\x01\x12\x16\n\x0e\x66irst_token_at\x18\x02 \x01(\x01\x12\x13\n\x0b\x66inished_at\x18\x03 \x01(\x01\":\n\tSpecStats\x12\x14\n\x0c\x64raft_tokens\x18\x01 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x02 \x01(\x04\"\xa0\x04\n\x06Sample\x12\x11\n\tsample_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\r\n\x05index\x18\x03 \x01(\r\x12\x11\n\tprompt_id\x18\x04 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\x05\x12\x1a\n\x12response_token_ids\x18\x06 \x03(\x05\x12\x10\n\x08logprobs\x18\x07 \x03(\x02\x12,\n\x08versions\x18\x08 \x03(\x0b\x32\x1a.rollout.v1.VersionSegment\x12\x13\n\x0bmin_version\x18\t \x01(\x03\x12\x13\n\x0bmax_version\x18\n \x01(\x03\x12/\n\rfinish_reason\x18\x0b \x01(\x0e\x32\x18.rollout.v1.FinishReason\x12\x0f\n\x07\x65ngines\x18\x0c \x03(\t\x12\x16\n\x0enum_migrations\x18\r \x01(\r\x12\"\n\x06timing\x18\x0e \x01(\x0b\x32\x12.rollout.v1.Timing\x12#\n\x04spec\x18\x0f \x01(\x0b\x32\x15.rollout.v1.SpecStats\x12\x15\n\rresponse_text\x18\x10 \x01(\t\x12\x32\n\x08metadata\x18\x11 \x03(\x0b\x32 .rollout.v1.Sample.MetadataEntry\x12\x10\n\x08\x62\x61tch_id\x18\x12 \x01(\t\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"Y\n\x0bSampleEvent\x12\x0e\n\x06\x63ursor\x18\x01 \x01(\x04\x12\"\n\x06sample\x18\x02 \x01(\x0b\x32\x12.rollout.v1.Sample\x12\x16\n\x0egroup_complete\x18\x03 \x01(\x08\"1\n\nAckRequest\x12\x13\n\x0b\x63onsumer_id\x18\x01 \x01(\t\x12\x0e\n\x06\x63ursor\x18\x02 \x01(\x04\"#\n\x0b\x41\x63kResponse\x12\x14\n\x0c\x61\x63ked_cursor\x18\x01 \x01(\x04\"]\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x13\n\x0b\x62yte_length\x18\x04 \x01(\x04\x12\x0e\n\x06sha256\x18\x05 \x01(\t\"l\n\rWeightsHeader\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\'\n\x07tensors\x18\x02 \x03(\x0b\x32\x16.rollout.v1.TensorSpec\x12\x11\n\tfile_path\x18\x03 \x01(\t\x12\x0e\n\x06target\x18\x04 \x01(\t\"S\n\x0cWeightsChunk\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.rollout.v1.WeightsHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04kind\"W\n\x13PushWeightsResponse\x12\x17\n\x0f\x61pplied_version\x18\x01 \x01(\x03\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x04\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"V\n\x0c\x41\x62ortRequest\x12\x11\n\tgroup_ids\x18\x01 \x03(\t\x12\x10\n\x08\x62\x61tch_id\x18\x02 \x01(\t\x12\x0b\n\x03\x61ll\x18\x03 \x01(\x08\x12\x14\n\x0ckeep_partial\x18\x04 \x01(\x08\"T\n\rAbortResponse\x12\x16\n\x0e\x61\x62orted_groups\x18\x01 \x01(\r\x12+\n\x0fpartial_samples\x18\x02 \x03(\x0b\x32\x12.rollout.v1.Sample\"\x0f\n\rStatusRequest\"\xb2\x01\n\x0c\x45ngineStatus\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x0f\n\x07waiting\x18\x05 \x01(\r\x12\x10\n\x08kv_usage\x18\x06 \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\x07 \x01(\x01\x12\x16\n\x0epolicy_version\x18\x08 \x01(\x03\x12\x10\n\x08\x61ssigned\x18\t \x01(\r\"\xeb\x02\n\x0eStatusResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12)\n\x07\x65ngines\x18\x02 \x03(\x0b\x32\x18.rollout.v1.EngineStatus\x12\x17\n\x0fqueued_requests\x18\x03 \x01(\r\x12\x18\n\x10running_requests\x18\x04 \x01(\r\x12\x13\n\x0bopen_groups\x18\x05 \x01(\r\x12\x13\n\x0blast_cursor\x18\x06 \x01(\x04\x12\x18\n\x10retained_samples\x18\x07 \x01(\r\x12\x11\n\tscheduler\x18\x08 \x01(\t\x12:\n\x08\x63ounters\x18\t \x03(\x0b\x32(.rollout.v1.StatusResponse.CountersEntry\x12\x10\n\x08uptime_s\x18\n \x01(\x01\x12\r\n\x05model\x18\x0b \x01(\t\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01*z\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x03\x32\xa5\x03\n\x0eRolloutService\x12?\n\x06Submit\x12\x19.rollout.v1.SubmitRequest\x1a\x1a.rollout.v1.SubmitResponse\x12L\n\rStreamSamples\x12 .rollout.v1.StreamSamplesRequest\x1a\x17.rollout.v1.SampleEvent0\x01\x12\x36\n\x03\x41\x63k\x12\x16.rollout.v1.AckRequest\x1a\x17.rollout.v1.AckResponse\x12J\n\x0bPushWeights\x12\x18.rollout.v1.WeightsChunk\x1a\x1f.rollout.v1.PushWeightsResponse(\x01\x12<\n\x05\x41\x62ort\x12\x18.rollout.v1.AbortRequest\x1a\x19.rollout.v1.AbortResponse\x12\x42\n\tGetStatus\x12\x19.rollout.v1.StatusRequest\x1a\x1a.rollout.v1.StatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18rollout/v1/rollout.proto\x12\nrollout.v1\"\xbe\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x03\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\x8e\x02\n\x0bPromptGroup\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x13\n\x0bprompt_text\x18\x03 \x01(\t\x12\x13\n\x0bnum_samples\x18\x04 \x01(\r\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.rollout.v1.SamplingParams\x12\x11\n\tprompt_id\x18\x06 \x01(\t\x12\x37\n\x08metadata\x18\x07 \x03(\x0b\x32%.rollout.v1.PromptGroup.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"J\n\rSubmitRequest\x12\'\n\x06groups\x18\x01 \x03(\x0b\x32\x17.rollout.v1.PromptGroup\x12\x10\n\x08\x62\x61tch_id\x18\x02 \x01(\t\"4\n\x0eSubmitResponse\x12\x11\n\tgroup_ids\x18\x01 \x03(\t\x12\x0f\n\x07\x63reated\x18\x02 \x03(\x08\"@\n\x14StreamSamplesRequest\x12\x13\n\x0b\x63onsumer_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66rom_cursor\x18\x02 \x01(\x04\"@\n\x0eVersionSegment\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\r\n\x05start\x18\x02 \x01(\r\x12\x0e\n\x06length\x18\x03 \x01(\r\"H\n\x06Timing\x12\x11\n\tqueued_at\x18\x01 \x01(\x01\x12\x16\n\x0e\x66irst_token_at\x18\x02 \x01(\x01\x12\x13\n\x0b\x66inished_at\x18\x03 \x01(\x01\":\n\tSpecStats\x12\x14\n\x0c\x64raft_tokens\x18\x01 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x02 \x01(\x04\"\xb5\x04\n\x06Sample\x12\x11\n\tsample_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\r\n\x05index\x18\x03 \x01(\r\x12\x11\n\tprompt_id\x18\x04 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\x05\x12\x1a\n\x12response_token_ids\x18\x06 \x03(\x05\x12\x10\n\x08logprobs\x18\x07 \x03(\x02\x12,\n\x08versions\x18\x08 \x03(\x0b\x32\x1a.rollout.v1.VersionSegment\x12\x13\n\x0bmin_version\x18\t \x01(\x03\x12\x13\n\x0bmax_version\x18\n \x01(\x03\x12/\n\rfinish_reason\x18\x0b \x01(\x0e\x32\x18.rollout.v1.FinishReason\x12\x0f\n\x07\x65ngines\x18\x0c \x03(\t\x12\x16\n\x0enum_migrations\x18\r \x01(\r\x12\"\n\x06timing\x18\x0e \x01(\x0b\x32\x12.rollout.v1.Timing\x12#\n\x04spec\x18\x0f \x01(\x0b\x32\x15.rollout.v1.SpecStats\x12\x15\n\rresponse_text\x18\x10 \x01(\t\x12\x32\n\x08metadata\x18\x11 \x03(\x0b\x32 .rollout.v1.Sample.MetadataEntry\x12\x10\n\x08\x62\x61tch_id\x18\x12 \x01(\t\x12\x13\n\x0b\x64rop_reason\x18\x13 \x01(\t\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"Y\n\x0bSampleEvent\x12\x0e\n\x06\x63ursor\x18\x01 \x01(\x04\x12\"\n\x06sample\x18\x02 \x01(\x0b\x32\x12.rollout.v1.Sample\x12\x16\n\x0egroup_complete\x18\x03 \x01(\x08\"1\n\nAckRequest\x12\x13\n\x0b\x63onsumer_id\x18\x01 \x01(\t\x12\x0e\n\x06\x63ursor\x18\x02 \x01(\x04\"#\n\x0b\x41\x63kResponse\x12\x14\n\x0c\x61\x63ked_cursor\x18\x01 \x01(\x04\"]\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x13\n\x0b\x62yte_length\x18\x04 \x01(\x04\x12\x0e\n\x06sha256\x18\x05 \x01(\t\"l\n\rWeightsHeader\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\'\n\x07tensors\x18\x02 \x03(\x0b\x32\x16.rollout.v1.TensorSpec\x12\x11\n\tfile_path\x18\x03 \x01(\t\x12\x0e\n\x06target\x18\x04 \x01(\t\"S\n\x0cWeightsChunk\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.rollout.v1.WeightsHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04kind\"W\n\x13PushWeightsResponse\x12\x17\n\x0f\x61pplied_version\x18\x01 \x01(\x03\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x04\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"V\n\x0c\x41\x62ortRequest\x12\x11\n\tgroup_ids\x18\x01 \x03(\t\x12\x10\n\x08\x62\x61tch_id\x18\x02 \x01(\t\x12\x0b\n\x03\x61ll\x18\x03 \x01(\x08\x12\x14\n\x0ckeep_partial\x18\x04 \x01(\x08\"T\n\rAbortResponse\x12\x16\n\x0e\x61\x62orted_groups\x18\x01 \x01(\r\x12+\n\x0fpartial_samples\x18\x02 \x03(\x0b\x32\x12.rollout.v1.Sample\"\x0f\n\rStatusRequest\"\xb2\x01\n\x0c\x45ngineStatus\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x0f\n\x07waiting\x18\x05 \x01(\r\x12\x10\n\x08kv_usage\x18\x06 \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\x07 \x01(\x01\x12\x16\n\x0epolicy_version\x18\x08 \x01(\x03\x12\x10\n\x08\x61ssigned\x18\t \x01(\r\"\xeb\x02\n\x0eStatusResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12)\n\x07\x65ngines\x18\x02 \x03(\x0b\x32\x18.rollout.v1.EngineStatus\x12\x17\n\x0fqueued_requests\x18\x03 \x01(\r\x12\x18\n\x10running_requests\x18\x04 \x01(\r\x12\x13\n\x0bopen_groups\x18\x05 \x01(\r\x12\x13\n\x0blast_cursor\x18\x06 \x01(\x04\x12\x18\n\x10retained_samples\x18\x07 \x01(\r\x12\x11\n\tscheduler\x18\x08 \x01(\t\x12:\n\x08\x63ounters\x18\t \x03(\x0b\x32(.rollout.v1.StatusResponse.CountersEntry\x12\x10\n\x08uptime_s\x18\n \x01(\x01\x12\r\n\x05model\x18\x0b \x01(\t\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01*z\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x03\x32\xa5\x03\n\x0eRolloutService\x12?\n\x06Submit\x12\x19.rollout.v1.SubmitRequest\x1a\x1a.rollout.v1.SubmitResponse\x12L\n\rStreamSamples\x12 .rollout.v1.StreamSamplesRequest\x1a\x17.rollout.v1.SampleEvent0\x01\x12\x36\n\x03\x41\x63k\x12\x16.rollout.v1.AckRequest\x1a\x17.rollout.v1.AckResponse\x12J\n\x0bPushWeights\x12\x18.rollout.v1.WeightsChunk\x1a\x1f.rollout.v1.PushWeightsResponse(\x01\x12<\n\x05\x41\x62ort\x12\x18.rollout.v1.AbortRequest\x1a\x19.rollout.v1.AbortResponse\x12\x42\n\tGetStatus\x12\x19.rollout.v1.StatusRequest\x1a\x1a.rollout.v1.StatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,8 +37,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLE_METADATAENTRY']._serialized_options = b'8\001'
   _globals['_STATUSRESPONSE_COUNTERSENTRY']._loaded_options = None
   _globals['_STATUSRESPONSE_COUNTERSENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2745
-  _globals['_FINISHREASON']._serialized_end=2867
+  _globals['_FINISHREASON']._serialized_start=2766
+  _globals['_FINISHREASON']._serialized_end=2888
   _globals['_SAMPLINGPARAMS']._serialized_start=41
   _globals['_SAMPLINGPARAMS']._serialized_end=231
   _globals['_PROMPTGROUP']._serialized_start=234
@@ -58,35 +58,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SPECSTATS']._serialized_start=842
   _globals['_SPECSTATS']._serialized_end=900
   _globals['_SAMPLE']._serialized_start=903
-  _globals['_SAMPLE']._serialized_end=1447
+  _globals['_SAMPLE']._serialized_end=1468
   _globals['_SAMPLE_METADATAENTRY']._serialized_start=457
   _globals['_SAMPLE_METADATAENTRY']._serialized_end=504
-  _globals['_SAMPLEEVENT']._serialized_start=1449
-  _globals['_SAMPLEEVENT']._serialized_end=1538
-  _globals['_ACKREQUEST']._serialized_start=1540
-  _globals['_ACKREQUEST']._serialized_end=1589
-  _globals['_ACKRESPONSE']._serialized_start=1591
-  _globals['_ACKRESPONSE']._serialized_end=1626
-  _globals['_TENSORSPEC']._serialized_start=1628
-  _globals['_TENSORSPEC']._serialized_end=1721
-  _globals['_WEIGHTSHEADER']._serialized_start=1723
-  _globals['_WEIGHTSHEADER']._serialized_end=1831
-  _globals['_WEIGHTSCHUNK']._serialized_start=1833
-  _globals['_WEIGHTSCHUNK']._serialized_end=1916
-  _globals['_PUSHWEIGHTSRESPONSE']._serialized_start=1918
-  _globals['_PUSHWEIGHTSRESPONSE']._serialized_end=2005
-  _globals['_ABORTREQUEST']._serialized_start=2007
-  _globals['_ABORTREQUEST']._serialized_end=2093
-  _globals['_ABORTRESPONSE']._serialized_start=2095
-  _globals['_ABORTRESPONSE']._serialized_end=2179
-  _globals['_STATUSREQUEST']._serialized_start=2181
-  _globals['_STATUSREQUEST']._serialized_end=2196
-  _globals['_ENGINESTATUS']._serialized_start=2199
-  _globals['_ENGINESTATUS']._serialized_end=2377
-  _globals['_STATUSRESPONSE']._serialized_start=2380
-  _globals['_STATUSRESPONSE']._serialized_end=2743
-  _globals['_STATUSRESPONSE_COUNTERSENTRY']._serialized_start=2696
-  _globals['_STATUSRESPONSE_COUNTERSENTRY']._serialized_end=2743
-  _globals['_ROLLOUTSERVICE']._serialized_start=2870
-  _globals['_ROLLOUTSERVICE']._serialized_end=3291
+  _globals['_SAMPLEEVENT']._serialized_start=1470
+  _globals['_SAMPLEEVENT']._serialized_end=1559
+  _globals['_ACKREQUEST']._serialized_start=1561
+  _globals['_ACKREQUEST']._serialized_end=1610
+  _globals['_ACKRESPONSE']._serialized_start=1612
+  _globals['_ACKRESPONSE']._serialized_end=1647
+  _globals['_TENSORSPEC']._serialized_start=1649
+  _globals['_TENSORSPEC']._serialized_end=1742
+  _globals['_WEIGHTSHEADER']._serialized_start=1744
+  _globals['_WEIGHTSHEADER']._serialized_end=1852
+  _globals['_WEIGHTSCHUNK']._serialized_start=1854
+  _globals['_WEIGHTSCHUNK']._serialized_end=1937
+  _globals['_PUSHWEIGHTSRESPONSE']._serialized_start=1939
+  _globals['_PUSHWEIGHTSRESPONSE']._serialized_end=2026
+  _globals['_ABORTREQUEST']._serialized_start=2028
+  _globals['_ABORTREQUEST']._serialized_end=2114
+  _globals['_ABORTRESPONSE']._serialized_start=2116
+  _globals['_ABORTRESPONSE']._serialized_end=2200
+  _globals['_STATUSREQUEST']._serialized_start=2202
+  _globals['_STATUSREQUEST']._serialized_end=2217
+  _globals['_ENGINESTATUS']._serialized_start=2220
+  _globals['_ENGINESTATUS']._serialized_end=2398
+  _globals['_STATUSRESPONSE']._serialized_start=2401
+  _globals['_STATUSRESPONSE']._serialized_end=2764
+  _globals['_STATUSRESPONSE_COUNTERSENTRY']._serialized_start=2717
+  _globals['_STATUSRESPONSE_COUNTERSENTRY']._serialized_end=2764
+  _globals['_ROLLOUTSERVICE']._serialized_start=2891
+  _globals['_ROLLOUTSERVICE']._serialized_end=3312
 # @@protoc_insertion_point(module_scope)

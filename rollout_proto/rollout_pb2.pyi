@@ -112,7 +112,7 @@ class SpecStats(_message.Message):
     def __init__(self, draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("sample_id", "group_id", "index", "prompt_id", "prompt_token_ids", "response_token_ids", "logprobs", "versions", "min_version", "max_version", "finish_reason", "engines", "num_migrations", "timing", "spec", "response_text", "metadata", "batch_id")
+    __slots__ = ("sample_id", "group_id", "index", "prompt_id", "prompt_token_ids", "response_token_ids", "logprobs", "versions", "min_version", "max_version", "finish_reason", "engines", "num_migrations", "timing", "spec", "response_text", "metadata", "batch_id", "drop_reason")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +138,7 @@ class Sample(_message.Message):
     RESPONSE_TEXT_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    DROP_REASON_FIELD_NUMBER: _ClassVar[int]
     sample_id: str
     group_id: str
     index: int
@@ -156,7 +157,8 @@ class Sample(_message.Message):
     response_text: str
     metadata: _containers.ScalarMap[str, str]
     batch_id: str
-    def __init__(self, sample_id: _Optional[str] = ..., group_id: _Optional[str] = ..., index: _Optional[int] = ..., prompt_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., response_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., versions: _Optional[_Iterable[_Union[VersionSegment, _Mapping]]] = ..., min_version: _Optional[int] = ..., max_version: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., engines: _Optional[_Iterable[str]] = ..., num_migrations: _Optional[int] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., spec: _Optional[_Union[SpecStats, _Mapping]] = ..., response_text: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., batch_id: _Optional[str] = ...) -> None: ...
+    drop_reason: str
+    def __init__(self, sample_id: _Optional[str] = ..., group_id: _Optional[str] = ..., index: _Optional[int] = ..., prompt_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., response_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., versions: _Optional[_Iterable[_Union[VersionSegment, _Mapping]]] = ..., min_version: _Optional[int] = ..., max_version: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., engines: _Optional[_Iterable[str]] = ..., num_migrations: _Optional[int] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., spec: _Optional[_Union[SpecStats, _Mapping]] = ..., response_text: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., batch_id: _Optional[str] = ..., drop_reason: _Optional[str] = ...) -> None: ...
 
 class SampleEvent(_message.Message):
     __slots__ = ("cursor", "sample", "group_complete")

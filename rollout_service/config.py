@@ -30,6 +30,13 @@ class EngineConfig:
 
 
 @dataclass(slots=True)
+class CarryOver:
+    mode: str = "continue"  # continue | pause-resume | restart
+    max_version_lag: int = -1  # -1: unbounded
+    stale_action: str = "restart"  # restart | drop
+
+
+@dataclass(slots=True)
 class ServiceConfig:
     host: str = "127.0.0.1"
     grpc_port: int = 50051
@@ -42,6 +49,7 @@ class ServiceConfig:
     consumer_ttl_s: float = 3600.0
     log_level: str = "INFO"
     engine: EngineConfig = field(default_factory=EngineConfig)
+    carry_over: CarryOver = field(default_factory=CarryOver)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import signal
 
@@ -17,6 +18,7 @@ from rollout_service.api.validation import ModelLimits
 from rollout_service.config import ServiceConfig
 from rollout_service.core.clock import Clock
 from rollout_service.core.rollout import CoreLimits, RolloutCore
+from rollout_service.partial import CarryOverConfig
 from rollout_service.engines.factory import load_tokenizer, make_engines, model_info
 from rollout_service.scheduling import make_placement
 
@@ -47,6 +49,7 @@ class RolloutService:
             Clock(),
             CoreLimits(max_queued_samples=cfg.max_queued_samples, consumer_ttl_s=cfg.consumer_ttl_s),
             detokenizer=tokenizer,
+            carry_over=CarryOverConfig(**dataclasses.asdict(cfg.carry_over)),
         )
         await self.core.start()
 

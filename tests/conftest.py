@@ -1,6 +1,7 @@
 """Shared fixtures: a real service on loopback ports, talked to by the real client."""
 from __future__ import annotations
 
+import os
 import uuid
 
 import pytest
@@ -35,3 +36,29 @@ async def client(sim_service):
 
 def unique(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+def vllm_model() -> str:
+    """The bundled tiny reasoner (ROLLOUT_TEST_MODEL overrides it)."""
+    from rollout_service.engines.factory import default_model_path
+
+    return os.environ.get("ROLLOUT_TEST_MODEL") or default_model_path()
+
+
+@pytest.fixture(scope="session")
+async def vllm_service():
+    """One service on 2 real vLLM CPU engines, shared by every test that
+    needs real engines (start-up costs ~20 s per engine here)."""
+    pytest.importorskip("vllm")
+    cfg = ServiceConfig(grpc_port=0, http_port=0,
+                        engine=EngineConfig(kind="vllm", num_engines=2, model=vllm_model(), max_model_len=1024, max_seqs=32))
+    service = RolloutService(cfg)
+    await service.start()
+    yield service
+    await service.stop()
+
+
+@pytest.fixture
+async def vclient(vllm_service):
+    async with RolloutClient(f"127.0.0.1:{vllm_service.grpc_port}", consumer_id=unique("v")) as c:
+        yield c

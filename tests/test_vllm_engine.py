@@ -1,6 +1,6 @@
 """Real vLLM CPU engines behind the real server, on the bundled tiny model.
 
-One service with 2 engines is shared by the module (vLLM start-up costs
+One service with 2 engines is shared by the session (vLLM start-up costs
 ~20 s per engine on a CPU)."""
 from __future__ import annotations
 
@@ -18,16 +18,13 @@ pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 
 from rollout_proto import rollout_pb2 as pb  # noqa: E402
-from rollout_service.config import EngineConfig, ServiceConfig  # noqa: E402
-from rollout_service.engines.factory import default_model_path  # noqa: E402
-from rollout_service.service import RolloutService  # noqa: E402
-from trainer_client import PromptGroup, RolloutClient  # noqa: E402
+from trainer_client import PromptGroup  # noqa: E402
 
-from conftest import unique  # noqa: E402
+from conftest import unique, vllm_model  # noqa: E402
 from test_streaming import collect  # noqa: E402
 
 pytestmark = pytest.mark.vllm
-MODEL = os.environ.get("ROLLOUT_TEST_MODEL") or default_model_path()
+MODEL = vllm_model()
 PROMPTS = [[1, 40, 41, 42, 14], [1, 55, 20, 33, 14], [1, 60, 61, 12, 30], [1, 25, 26, 27, 28]]
 
 
@@ -35,22 +32,6 @@ def _weights() -> dict[str, "torch.Tensor"]:
     from safetensors.torch import load_file
 
     return load_file(os.path.join(MODEL, "model.safetensors"))
-
-
-@pytest.fixture(scope="module")
-async def vllm_service():
-    cfg = ServiceConfig(grpc_port=0, http_port=0,
-                        engine=EngineConfig(kind="vllm", num_engines=2, model=MODEL, max_model_len=512, max_seqs=32))
-    service = RolloutService(cfg)
-    await service.start()
-    yield service
-    await service.stop()
-
-
-@pytest.fixture
-async def vclient(vllm_service):
-    async with RolloutClient(f"127.0.0.1:{vllm_service.grpc_port}", consumer_id=unique("v")) as c:
-        yield c
 
 
 async def _greedy(client, prompts=PROMPTS, max_tokens=24) -> list[tuple[list[int], int]]:
@@ -64,12 +45,13 @@ async def _greedy(client, prompts=PROMPTS, max_tokens=24) -> list[tuple[list[int
 async def test_logprobs_match_transformers_recomputation(vclient):
     from transformers import AutoModelForCausalLM
 
+    version = (await vclient.status()).policy_version + 1
+    await vclient.push_weights(_weights(), version=version)  # serve exactly the file's weights
     prefix = unique("lp")
     await vclient.submit([PromptGroup(prompt_token_ids=p, num_samples=2, max_tokens=40, temperature=1.0,
                                       group_id=f"{prefix}-{i}") for i, p in enumerate(PROMPTS)])
     samples = await collect(vclient, prefix, 2 * len(PROMPTS), timeout=120)
-    if (await vclient.status()).policy_version != 0:
-        pytest.skip("another test changed the weights")  # ordering guard; the module runs this first
+    assert all(s.min_version == s.max_version == version for s in samples)
     model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
     worst = 0.0
     for s in samples:
@@ -150,11 +132,11 @@ async def test_corrupt_weight_pushes_leave_the_old_version_serving(vclient):
 
 async def test_pushed_weights_change_outputs_and_tag_versions(vclient):
     start = (await vclient.status()).policy_version
-    original = await _greedy(vclient)
     w = _weights()
-    g = torch.Generator().manual_seed(0)
-    perturbed = {k: v + 0.5 * v.std() * torch.randn(v.shape, generator=g) if v.ndim == 2 else v for k, v in w.items()}
-    reply = await vclient.push_weights(perturbed, version=start + 1)
+    await vclient.push_weights(w, version=start + 1)
+    start += 1
+    original = await _greedy(vclient)
+    reply = await vclient.push_weights(_perturbed(w), version=start + 1)
     assert reply.applied_version == start + 1
     changed = await _greedy(vclient)
     assert [t for t, _ in changed] != [t for t, _ in original]
@@ -165,14 +147,22 @@ async def test_pushed_weights_change_outputs_and_tag_versions(vclient):
     assert all(v == start + 2 for _, v in restored)
 
 
+def _perturbed(w):
+    g = torch.Generator().manual_seed(0)
+    return {k: v + 0.5 * v.std() * torch.randn(v.shape, generator=g) if v.ndim == 2 else v for k, v in w.items()}
+
+
 async def test_fast_path_push_from_a_file(vclient):
     start = (await vclient.status()).policy_version
+    await vclient.push_weights(_weights(), version=start + 1)
     original = await _greedy(vclient)
-    reply = await vclient.push_weights_file(os.path.join(MODEL, "model.safetensors"), version=start + 1)
-    assert reply.applied_version == start + 1
+    await vclient.push_weights(_perturbed(_weights()), version=start + 2)
+    assert [t for t, _ in await _greedy(vclient)] != [t for t, _ in original]
+    reply = await vclient.push_weights_file(os.path.join(MODEL, "model.safetensors"), version=start + 3)
+    assert reply.applied_version == start + 3
     again = await _greedy(vclient)
-    assert [t for t, _ in again] == [t for t, _ in original] or start > 0
-    assert all(v == start + 1 for _, v in again)
+    assert [t for t, _ in again] == [t for t, _ in original]
+    assert all(v == start + 3 for _, v in again)
 
 
 async def test_killed_engine_loses_no_sample_and_comes_back(vllm_service, vclient):

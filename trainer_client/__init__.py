@@ -4,7 +4,8 @@
     from trainer_client import SyncRolloutClient               # plain Python
 """
 from trainer_client.client import RolloutClient
+from trainer_client.steps import StepRollout
 from trainer_client.sync import SyncRolloutClient
 from trainer_client.types import CompletedSample, PromptGroup
 
-__all__ = ["RolloutClient", "SyncRolloutClient", "CompletedSample", "PromptGroup"]
+__all__ = ["RolloutClient", "StepRollout", "SyncRolloutClient", "CompletedSample", "PromptGroup"]

@@ -34,6 +34,19 @@ class CompletedSample:
     response_text: str = ""
     batch_id: str = ""
     metadata: dict[str, str] = field(default_factory=dict)
+    drop_reason: str = ""
+
+    @property
+    def behaviour_logprobs(self) -> list[float]:
+        """log p(token) under the policy version that sampled it (for
+        importance weighting against the current policy)."""
+        return self.logprobs
+
+    def loss_mask(self, current_version: int, max_lag: int) -> list[int]:
+        """1 for tokens sampled at most `max_lag` versions before
+        `current_version`, 0 for staler ones (mask them out of the loss)."""
+        oldest = current_version - max_lag
+        return [1 if v >= oldest else 0 for v in self.token_versions()]
 
     def token_versions(self) -> list[int]:
         """The policy version of each response token."""
@@ -68,6 +81,7 @@ class CompletedSample:
             response_text=s.response_text,
             batch_id=s.batch_id,
             metadata=dict(s.metadata),
+            drop_reason=s.drop_reason,
         )
 
 

@@ -27,6 +27,7 @@ def sample_to_pb(s: Sample) -> pb.Sample:
         response_text=s.response_text,
         metadata=s.metadata,
         batch_id=s.batch_id,
+        drop_reason=s.drop_reason,
     )
 
 

@@ -148,6 +148,14 @@ class Request:
         self.logprobs.extend(logprobs)
         self.versions.extend(versions)
 
+    def reset(self) -> None:
+        """Discard the partial response (the request starts over)."""
+        self.token_ids.clear()
+        self.logprobs.clear()
+        self.versions = VersionTags()
+        self.draft_tokens = self.accepted_tokens = 0
+        self.first_token_at = 0.0
+
     def append_delta(self, delta: TokenDelta) -> None:
         """Append an engine delta (all its tokens share one version)."""
         self.token_ids.extend(delta.token_ids)
@@ -197,6 +205,7 @@ class Sample:
     metadata: dict[str, str] = field(default_factory=dict)
     batch_id: str = ""
     response_text: str = ""
+    drop_reason: str = ""  # set when the service gave the sample up (e.g. max_version_lag)
 
     @classmethod
     def from_request(cls, req: Request, finish_reason: FinishReason) -> "Sample":
