@@ -67,7 +67,9 @@ async def test_logprobs_match_transformers_recomputation(vclient):
 async def test_migrated_request_continues_from_its_prefix(vllm_service, vclient):
     core = vllm_service.core
     prompt = PROMPTS[0]
-    reference = (await _greedy(vclient, [prompt], max_tokens=120))[0][0]
+    gid = unique("ref")
+    await vclient.submit([PromptGroup(prompt_token_ids=prompt, num_samples=1, max_tokens=120, temperature=0.0, group_id=gid)])
+    [ref] = await collect(vclient, gid, 1)
     gid = unique("mig")
     await vclient.submit([PromptGroup(prompt_token_ids=prompt, num_samples=1, max_tokens=120, temperature=0.0, group_id=gid)])
     req = core.groups[gid].requests[0]
@@ -80,9 +82,12 @@ async def test_migrated_request_continues_from_its_prefix(vllm_service, vclient)
     await core.migrate(req, target)
     [s] = await collect(vclient, gid, 1, timeout=60)
     assert s.engines == [source, target] and s.num_migrations == 1
-    # Greedy decoding continued from the same prefix gives the un-migrated answer.
-    assert s.response_token_ids == reference
-    assert len(s.logprobs) == len(s.response_token_ids)
+    # Greedy decoding continued from the same prefix gives the un-migrated
+    # answer; each token's logprob is the one its engine computed after the
+    # re-prefill, and the version tags cover both segments.
+    assert s.response_token_ids == ref.response_token_ids
+    assert max(abs(a - b) for a, b in zip(s.logprobs, ref.logprobs)) < 1e-3
+    assert s.versions == [(ref.max_version, 0, len(s.response_token_ids))]
 
 
 def _header(version, tensors, override=None):

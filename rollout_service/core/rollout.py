@@ -21,6 +21,8 @@ from rollout_service.core.clock import Clock
 from rollout_service.core.delivery import DeliveryLog
 from rollout_service.core.weights import StagedWeights
 from rollout_service.partial.carry_over import CarryOverConfig, CarryPlan, plan_carry_over
+from rollout_service.scheduling.length_predictor import LengthPredictor
+from rollout_service.scheduling.rebalancer import EngineView, Move, RebalanceConfig, RequestView, plan_moves
 from rollout_service.core.types import (
     FinishReason,
     Group,
@@ -63,6 +65,8 @@ class RolloutCore:
         limits: CoreLimits | None = None,
         detokenizer: Detokenizer | None = None,
         carry_over: CarryOverConfig | None = None,
+        rebalance: RebalanceConfig | None = None,
+        predictor: LengthPredictor | None = None,
     ) -> None:
         self.engines: dict[str, Engine] = {e.engine_id: e for e in engines}
         self.placement = placement
@@ -70,6 +74,11 @@ class RolloutCore:
         self.limits = limits or CoreLimits()
         self.detokenizer = detokenizer
         self.carry_over = carry_over or CarryOverConfig()
+        self.rebalance = rebalance
+        # One predictor serves placement and rebalancing; it learns from every finish.
+        self.predictor = predictor or getattr(placement, "predictor", None) or (LengthPredictor() if rebalance else None)
+        if hasattr(placement, "bind"):
+            placement.bind(self.predicted_work)
         self.delivery = DeliveryLog(self.clock.now, self.limits.consumer_ttl_s)
         self.groups: dict[str, Group] = {}
         self._done_groups: OrderedDict[str, None] = OrderedDict()
@@ -81,6 +90,7 @@ class RolloutCore:
         self._wake = asyncio.Event()
         self._dispatcher: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None
+        self._rebalancer: asyncio.Task | None = None
         self._restarting: set[str] = set()
         self._last_weights: StagedWeights | None = None
         self._weights_lock = asyncio.Lock()
@@ -93,9 +103,11 @@ class RolloutCore:
         await asyncio.gather(*(e.start() for e in self.engines.values()))
         self._dispatcher = asyncio.create_task(self._dispatch_loop(), name="dispatch")
         self._watcher = asyncio.create_task(self._watch_loop(), name="engine-watch")
+        if self.rebalance is not None:
+            self._rebalancer = asyncio.create_task(self._rebalance_loop(), name="rebalance")
 
     async def stop(self) -> None:
-        for task in (self._dispatcher, self._watcher):
+        for task in (self._dispatcher, self._watcher, self._rebalancer):
             if task:
                 task.cancel()
         for _, task in list(self.running.values()):
@@ -169,6 +181,48 @@ class RolloutCore:
         finally:
             self._restarting.discard(engine.engine_id)
             self._wake.set()
+
+    # -- length-aware scheduling -----------------------------------------------------
+
+    def predicted_work(self, engine_id: str) -> float:
+        """Predicted remaining tokens of the requests placed on an engine."""
+        if self.predictor is None:
+            return 0.0
+        return sum(self.predictor.predict(r).median for r, _ in self.running.values() if r.engine_id == engine_id)
+
+    async def _rebalance_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.rebalance.interval_s)
+            if len(self.running) > 1:
+                try:
+                    await self.rebalance_once()
+                except Exception:  # a policy bug must not stop the service
+                    log.exception("rebalancing failed")
+
+    async def rebalance_once(self) -> list[Move]:
+        """Ask the rebalancer for moves on the current snapshot; apply them."""
+        now = self.clock.monotonic()
+        engines = []
+        for eid, engine in self.engines.items():
+            load = engine.load()
+            engines.append(EngineView(eid, self.assigned[eid], load.waiting, load.max_seqs,
+                                      ready=load.state == "ready" and eid not in self._restarting))
+        views = []
+        for req, _ in self.running.values():
+            if req.engine_id is None:
+                continue
+            est = self.predictor.predict(req)
+            views.append(RequestView(
+                req.request_id, req.engine_id, est.median, est.high,
+                len(req.group.spec.prompt_token_ids) + len(req.token_ids), req.num_migrations,
+                req.engines[-2] if len(req.engines) > 1 else None, req.moved_at,
+            ))
+        moves = plan_moves(self.rebalance, engines, views, now)
+        for move in moves:
+            entry = self.running.get(move.request_id)
+            if entry is not None and entry[0].engine_id == move.source:
+                await self.migrate(entry[0], move.target)
+        return moves
 
     # -- dispatch --------------------------------------------------------------
 
@@ -259,6 +313,8 @@ class RolloutCore:
         if group.spec.prompt_text and self.detokenizer is not None:
             sample.response_text = self.detokenizer.decode(sample.response_token_ids)
         self.counters["samples_completed"] += 1
+        if self.predictor is not None:
+            self.predictor.observe(req, len(req.token_ids), group.complete)
         self.counters[f"samples_lag_{self.policy_version - sample.versions.min_version}"] += 1
         self.delivery.append(sample, group.complete)
         if group.complete:
@@ -305,6 +361,7 @@ class RolloutCore:
         if req.group.aborted:
             return
         req.num_migrations += 1
+        req.moved_at = self.clock.monotonic()
         self.counters["migrations"] += 1
         self._start(req, self.engines[target])
 

@@ -1,0 +1,129 @@
+"""Online prediction of response lengths (tokens), as a distribution.
+
+Signals, strongest first:
+  1. finished siblings of the same GRPO group (the first to finish doubles as
+     the group's early probe: Seer);
+  2. the same prompt's lengths in earlier steps (same `prompt_id`);
+  3. what finished recently for prompts of a similar length (global).
+The prediction for an in-flight request is conditioned on what it has
+already generated: the remaining length is drawn from the candidate lengths
+that exceed it (and, when none does, the heavy-tail rule that a response
+that has run g tokens has about g more to go).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+from rollout_service.core.types import Request
+
+
+@dataclass(slots=True, frozen=True)
+class LengthEstimate:
+    """Remaining tokens: median and a high quantile (p90)."""
+
+    median: float
+    high: float
+
+
+def _quantile(sorted_values: list[float], q: float) -> float:
+    if not sorted_values:
+        return 0.0
+    pos = q * (len(sorted_values) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+class LengthPredictor:
+    def __init__(self, default_length: float = 256.0, history_per_prompt: int = 64, global_window: int = 4096,
+                 remembered_prompts: int = 100_000) -> None:
+        self.default_length = default_length
+        self._per_prompt: OrderedDict[str, deque[int]] = OrderedDict()
+        self._history = history_per_prompt
+        self._remembered = remembered_prompts
+        self._siblings: dict[str, list[int]] = {}
+        self._global: deque[tuple[int, int]] = deque(maxlen=global_window)  # (prompt_len, length)
+
+    # -- learning -------------------------------------------------------------
+
+    def observe(self, req: Request, length: int, group_done: bool) -> None:
+        """A sample finished with `length` response tokens."""
+        spec = req.group.spec
+        self._global.append((len(spec.prompt_token_ids), length))
+        if spec.prompt_id:
+            hist = self._per_prompt.setdefault(spec.prompt_id, deque(maxlen=self._history))
+            hist.append(length)
+            self._per_prompt.move_to_end(spec.prompt_id)
+            while len(self._per_prompt) > self._remembered:
+                self._per_prompt.popitem(last=False)
+        if group_done:
+            self._siblings.pop(spec.group_id, None)
+        else:
+            self._siblings.setdefault(spec.group_id, []).append(length)
+
+    def forget_group(self, group_id: str) -> None:
+        self._siblings.pop(group_id, None)
+
+    # -- predicting -------------------------------------------------------------
+
+    def _candidates(self, req: Request) -> list[float]:
+        spec = req.group.spec
+        out: list[float] = list(self._siblings.get(spec.group_id, ()))
+        if spec.prompt_id and spec.prompt_id in self._per_prompt:
+            out += self._per_prompt[spec.prompt_id]
+        if len(out) >= 2:
+            return out
+        if self._global:
+            # Recent lengths of prompts of a similar size (within a factor of 2).
+            plen = len(spec.prompt_token_ids)
+            near = [n for p, n in self._global if plen / 2 <= p <= plen * 2]
+            out += near if len(near) >= 8 else [n for _, n in self._global]
+        return out
+
+    def predict(self, req: Request) -> LengthEstimate:
+        """Remaining tokens of `req`, given what it has generated so far."""
+        done = len(req.token_ids)
+        budget = req.remaining_tokens
+        candidates = sorted(c for c in self._candidates(req) if c > done)
+        if candidates:
+            med = _quantile(candidates, 0.5) - done
+            high = _quantile(candidates, 0.9) - done
+        elif done:
+            med, high = float(done), 3.0 * done  # past every known length: heavy tail
+        else:
+            med, high = self.default_length, 4.0 * self.default_length
+        return LengthEstimate(min(med, budget), min(high, budget))
+
+    def predict_total(self, req: Request) -> float:
+        """Predicted median total length (for ordering queued work)."""
+        return len(req.token_ids) + self.predict(req).median
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Rank correlation of predictions and outcomes (ties get mean ranks)."""
+
+    def ranks(v: list[float]) -> list[float]:
+        order = sorted(range(len(v)), key=v.__getitem__)
+        r = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+
+    if len(xs) < 2:
+        return 0.0
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    vx = sum((a - mx) ** 2 for a in rx) ** 0.5
+    vy = sum((b - my) ** 2 for b in ry) ** 0.5
+    return cov / (vx * vy) if vx and vy else 0.0
+
+
+__all__ = ["LengthEstimate", "LengthPredictor", "spearman"]

@@ -1,0 +1,91 @@
+"""The rebalancer and the length predictor as pure functions (no event loop)."""
+from __future__ import annotations
+
+from rollout_service.core.types import Group, GroupSpec, Request, SamplingParams
+from rollout_service.scheduling.length_predictor import LengthPredictor, spearman
+from rollout_service.scheduling.rebalancer import EngineView, RebalanceConfig, RequestView, plan_moves
+
+CFG = RebalanceConfig(drained_fraction=0.25, imbalance_ratio=2.0, min_remaining_tokens=32, max_migrations=2,
+                      cooldown_s=1.0, prefill_cost=0.02)
+
+
+def _engines(*running):
+    return [EngineView(f"e{i}", n, 0, 16) for i, n in enumerate(running)]
+
+
+def _req(i, engine, remaining, **kw):
+    return RequestView(f"r{i}", engine, remaining, remaining * 2, 100, **kw)
+
+
+def test_drained_engine_takes_the_longest_requests_from_the_loaded_one():
+    reqs = [_req(i, "e0", 100 * (i + 1)) for i in range(8)]
+    moves = plan_moves(CFG, _engines(8, 0), reqs, now=10.0)
+    assert moves and all(m.source == "e0" and m.target == "e1" for m in moves)
+    assert moves[0].request_id == "r7"  # the longest first
+    assert len(moves) <= 4  # it stops once the target is no longer drained
+
+
+def test_requests_about_to_finish_are_never_moved():
+    reqs = [_req(i, "e0", 10) for i in range(8)]
+    assert plan_moves(CFG, _engines(8, 0), reqs, now=10.0) == []
+
+
+def test_migration_bound_cooldown_and_no_ping_pong():
+    reqs = [
+        _req(0, "e0", 900, migrations=2),             # at the bound
+        _req(1, "e0", 800, moved_at=9.5),             # moved half a second ago
+        _req(2, "e0", 700, previous_engine="e1"),     # would go straight back
+        _req(3, "e0", 20), _req(4, "e0", 10),     # about to finish
+    ]
+    assert plan_moves(CFG, _engines(5, 0), reqs, now=10.0) == []
+
+
+def test_reprefill_cost_must_be_repaid():
+    expensive = RequestView("big", "e0", 60, 120, context_tokens=10_000)  # 60 < 0.02 * 10000
+    cheap = RequestView("small", "e0", 60, 120, context_tokens=100)
+    moves = plan_moves(CFG, _engines(2, 0), [expensive, cheap], now=10.0)
+    assert [m.request_id for m in moves] == ["small"]
+
+
+def test_balanced_fleet_stays_put():
+    reqs = [_req(i, f"e{i % 2}", 300) for i in range(8)]
+    assert plan_moves(CFG, _engines(4, 4), reqs, now=10.0) == []
+
+
+def _request(group_id, index, prompt_id="", prompt_len=10, generated=0):
+    spec = GroupSpec(group_id, [1] * prompt_len, 8, SamplingParams(max_tokens=10_000), prompt_id=prompt_id)
+    req = Request(f"{group_id}/{index}", Group(spec), index)
+    req.token_ids = [5] * generated
+    return req
+
+
+def test_predictor_learns_from_siblings_and_prompt_history():
+    p = LengthPredictor(default_length=100)
+    for length in (1000, 1100, 900):
+        p.observe(_request("g1", 0, prompt_id="hard"), length, group_done=False)
+    for length in (20, 25):
+        p.observe(_request("g2", 0, prompt_id="easy"), length, group_done=False)
+    hard, easy = _request("g1", 5, "hard"), _request("g2", 5, "easy")
+    assert p.predict(hard).median > 10 * p.predict(easy).median
+    # Conditioning on what was generated: a request past every known length is predicted long.
+    runaway = _request("g2", 6, "easy", generated=400)
+    assert p.predict(runaway).median >= 400
+
+
+def test_rank_correlation_of_predictions_on_a_correlated_workload():
+    import random
+
+    rng = random.Random(0)
+    p = LengthPredictor()
+    preds, truth = [], []
+    for step in range(3):
+        for g in range(40):
+            scale = 30 * (1 + g % 10) ** 2  # some prompts are much longer than others
+            lengths = [max(1, int(rng.lognormvariate(0, 0.3) * scale)) for _ in range(8)]
+            for i, n in enumerate(lengths):
+                req = _request(f"s{step}g{g}", i, prompt_id=f"p{g}")
+                if step > 0:
+                    preds.append(p.predict_total(req))
+                    truth.append(n)
+                p.observe(req, n, group_done=i == 7)
+    assert spearman(preds, truth) > 0.7
