@@ -13,6 +13,7 @@ from grpc_reflection.v1alpha import reflection
 
 from rollout_proto import rollout_pb2, rollout_pb2_grpc
 from rollout_service.api.http import make_app
+from rollout_service.api.openai_http import OpenAIFrontEnd
 from rollout_service.api.servicer import RolloutServicer
 from rollout_service.api.validation import ModelLimits
 from rollout_service.config import ServiceConfig
@@ -60,9 +61,11 @@ class RolloutService:
                 ("grpc.max_send_message_length", max_msg),
             ]
         )
+        self._model_name = info.name
+        limits = ModelLimits(info.vocab_size, info.max_model_len, cfg.max_groups_per_submit)
         servicer = RolloutServicer(
             self.core,
-            ModelLimits(info.vocab_size, info.max_model_len, cfg.max_groups_per_submit),
+            limits,
             tokenizer,
             info.name,
             int(cfg.max_weights_gb * 1024**3),
@@ -78,7 +81,8 @@ class RolloutService:
             raise OSError(f"cannot bind gRPC to {cfg.host}:{cfg.grpc_port}")
         await self._grpc.start()
 
-        self._http = web.AppRunner(make_app(self.core), access_log=None)
+        openai = OpenAIFrontEnd(self.core, limits, tokenizer, info.name)
+        self._http = web.AppRunner(make_app(self.core, openai), access_log=None)
         await self._http.setup()
         site = web.TCPSite(self._http, cfg.host, cfg.http_port)
         await site.start()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from rollout_service.api.openai_http import OpenAIFrontEnd
 from rollout_service.core.rollout import RolloutCore
 
 
@@ -28,7 +29,7 @@ def _metrics_text(core: RolloutCore) -> str:
     return "\n".join(lines) + "\n"
 
 
-def make_app(core: RolloutCore) -> web.Application:
+def make_app(core: RolloutCore, openai: "OpenAIFrontEnd | None" = None) -> web.Application:
     async def healthz(_):
         return web.json_response({"status": "ok"})
 
@@ -55,4 +56,6 @@ def make_app(core: RolloutCore) -> web.Application:
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/status", status)
+    if openai is not None:
+        openai.routes(app)
     return app

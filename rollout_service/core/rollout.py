@@ -147,6 +147,15 @@ class RolloutCore:
         self._wake.set()
         return out
 
+    def submit_private(self, spec: GroupSpec) -> Group:
+        """Enqueue a group whose tokens and samples go to `group.listener`
+        (not to the delivery log), for request/response front ends."""
+        spec.group_id = spec.group_id or f"private-{uuid.uuid4().hex}"
+        self.submit([spec])
+        group = self.groups[spec.group_id]
+        group.listener = asyncio.Queue()
+        return group
+
     def knows(self, group_id: str) -> bool:
         return bool(group_id) and (group_id in self.groups or group_id in self._done_groups)
 
@@ -269,6 +278,8 @@ class RolloutCore:
                     if not req.first_token_at:
                         req.first_token_at = self.clock.now()
                     req.append_delta(delta)
+                    if req.group.listener is not None:
+                        req.group.listener.put_nowait(("delta", req.index, delta))
                     self.counters["tokens_generated"] += len(delta.token_ids)
                 if delta.finish_reason is not None:
                     finish = delta.finish_reason
@@ -316,13 +327,18 @@ class RolloutCore:
         if self.predictor is not None:
             self.predictor.observe(req, len(req.token_ids), group.complete)
         self.counters[f"samples_lag_{self.policy_version - sample.versions.min_version}"] += 1
-        self.delivery.append(sample, group.complete)
+        if group.listener is not None:
+            group.listener.put_nowait(("sample", sample))
+        else:
+            self.delivery.append(sample, group.complete)
         if group.complete:
             self.counters["groups_completed"] += 1
             self._forget(group)
 
     def _forget(self, group: Group) -> None:
         self.groups.pop(group.group_id, None)
+        if group.listener is not None:
+            return  # private groups are not retried by id
         self._done_groups[group.group_id] = None
         while len(self._done_groups) > self.limits.remembered_group_ids:
             self._done_groups.popitem(last=False)
@@ -469,7 +485,10 @@ class RolloutCore:
             group.finished += 1
             sample = Sample.from_request(req, FinishReason.ABORTED)
             sample.drop_reason = reason
-            self.delivery.append(sample, group.finished == group.spec.num_samples)
+            if group.listener is not None:
+                group.listener.put_nowait(("sample", sample))
+            else:
+                self.delivery.append(sample, group.finished == group.spec.num_samples)
         self.counters["groups_dropped"] += 1
         self.counters["samples_dropped"] += len(pending)
         self._forget(group)

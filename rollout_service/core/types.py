@@ -6,6 +6,7 @@ tokens.
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import enum
 from dataclasses import dataclass, field
@@ -173,6 +174,9 @@ class Group:
     submitted_at: float = 0.0
     finished: int = 0
     aborted: bool = False
+    # A private group (e.g. an HTTP completion) reports to this queue instead
+    # of the delivery log: ("delta", index, TokenDelta) and ("sample", Sample).
+    listener: "asyncio.Queue | None" = None
 
     @property
     def group_id(self) -> str:
