@@ -4,6 +4,7 @@
     [engine]             kind, num_engines, model, max_seqs, ...
     [engine.sim]         SimParams fields (simulated engines)
     [engine.vllm_args]   extra keyword arguments for vLLM's engine
+    [engine.spec]        speculative decoding (rollout_service.engines.spec.SpecConfig)
 
 Any field can be set from the command line with `--set engine.num_engines=4`.
 """
@@ -16,10 +17,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rollout_service.partial.carry_over import CarryOverConfig
+from rollout_service.scheduling.rebalancer import RebalanceConfig
+
 
 @dataclass(slots=True)
 class EngineConfig:
-    kind: str = "sim"  # "sim" or "vllm"
+    kind: str = "vllm"  # "vllm" (real engines, CPU or GPU) or "sim" (cost-model engines)
     num_engines: int = 2
     model: str = ""  # a model directory; "" means the bundled tiny reasoner
     max_seqs: int = 64  # running batch cap per engine (sequences)
@@ -27,13 +31,10 @@ class EngineConfig:
     kv_cache_gib: float = 1.0  # CPU KV cache per vLLM engine (GiB)
     sim: dict[str, Any] = field(default_factory=dict)
     vllm_args: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
-class CarryOver:
-    mode: str = "continue"  # continue | pause-resume | restart
-    max_version_lag: int = -1  # -1: unbounded
-    stale_action: str = "restart"  # restart | drop
+    # Speculative decoding: {"method": "off" | "draft_model" | "ngram", ...}
+    # (SpecConfig fields; "tune"/"train" switch on the depth tuner and the
+    # online drafter trainer).
+    spec: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -49,7 +50,8 @@ class ServiceConfig:
     consumer_ttl_s: float = 3600.0
     log_level: str = "INFO"
     engine: EngineConfig = field(default_factory=EngineConfig)
-    carry_over: CarryOver = field(default_factory=CarryOver)
+    carry_over: CarryOverConfig = field(default_factory=CarryOverConfig)
+    rebalance: RebalanceConfig = field(default_factory=RebalanceConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -96,7 +98,7 @@ def set_field(cfg: ServiceConfig, dotted: str, value: Any) -> None:
 def _merge(cfg: ServiceConfig, prefix: str, table: dict[str, Any]) -> None:
     for key, value in table.items():
         dotted = f"{prefix}{key}"
-        if isinstance(value, dict) and key not in ("sim", "vllm_args"):
+        if isinstance(value, dict) and key not in ("sim", "vllm_args", "spec"):
             _merge(cfg, f"{dotted}.", value)
         else:
             set_field(cfg, dotted, value)
@@ -113,4 +115,5 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Se
             raise ValueError(f"--set expects key=value, got {item!r}")
         key, text = item.split("=", 1)
         set_field(cfg, key.strip(), _parse_value(text.strip()))
+    cfg.carry_over.validate()
     return cfg

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import signal
 
@@ -19,7 +18,6 @@ from rollout_service.api.validation import ModelLimits
 from rollout_service.config import ServiceConfig
 from rollout_service.core.clock import Clock
 from rollout_service.core.rollout import CoreLimits, RolloutCore
-from rollout_service.partial import CarryOverConfig
 from rollout_service.engines.factory import load_tokenizer, make_engines, model_info
 from rollout_service.scheduling import make_placement
 
@@ -50,7 +48,8 @@ class RolloutService:
             Clock(),
             CoreLimits(max_queued_samples=cfg.max_queued_samples, consumer_ttl_s=cfg.consumer_ttl_s),
             detokenizer=tokenizer,
-            carry_over=CarryOverConfig(**dataclasses.asdict(cfg.carry_over)),
+            carry_over=cfg.carry_over,
+            rebalance=cfg.rebalance if cfg.rebalance.enabled else None,
         )
         await self.core.start()
 

@@ -15,7 +15,7 @@ import logging
 import uuid
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Protocol
+from typing import Callable, Iterable, Mapping, Protocol
 
 from rollout_service.core.clock import Clock
 from rollout_service.core.delivery import DeliveryLog
@@ -95,6 +95,9 @@ class RolloutCore:
         self._last_weights: StagedWeights | None = None
         self._weights_lock = asyncio.Lock()
         self.started_at = 0.0
+        # Called with every finished sample (e.g. the online drafter trainer);
+        # must be cheap and must not raise.
+        self.sample_taps: list[Callable[[Sample], None]] = []
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -327,6 +330,8 @@ class RolloutCore:
         if self.predictor is not None:
             self.predictor.observe(req, len(req.token_ids), group.complete)
         self.counters[f"samples_lag_{self.policy_version - sample.versions.min_version}"] += 1
+        for tap in self.sample_taps:
+            tap(sample)
         if group.listener is not None:
             group.listener.put_nowait(("sample", sample))
         else:

@@ -51,5 +51,11 @@ class Engine(Protocol):
         """Apply verified policy weights at a safe point (between engine
         steps); tokens sampled afterwards carry `version`."""
 
+    async def update_draft_weights(self, version: int, weights: StagedWeights) -> None:
+        """Apply draft-model weights (speculative decoding) between two
+        steps. Lossless whatever the weights: drafts are verified against the
+        target. `version` numbers the drafter, not the policy. Engines
+        without a draft model raise EngineError."""
+
     async def close(self) -> None:
         """Stop the engine and free its resources."""

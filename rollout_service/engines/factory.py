@@ -10,6 +10,7 @@ from pathlib import Path
 from rollout_service.config import EngineConfig
 from rollout_service.engines.base import Engine
 from rollout_service.engines.sim import SimEngine, SimParams
+from rollout_service.engines.spec import SpecConfig
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,9 @@ def sim_params(cfg: EngineConfig, info: ModelInfo, index: int) -> SimParams:
     if unknown:
         raise ValueError(f"engine.sim: unknown parameters {sorted(unknown)}; known: {sorted(known)}")
     values = {"max_seqs": cfg.max_seqs, "vocab_size": info.vocab_size, "eos_token_id": info.eos_token_id}
+    spec = SpecConfig.from_dict(cfg.spec)
+    if spec.enabled:  # the same [engine.spec] drives simulated speculation
+        values.update(spec_method=spec.method, spec_max_k=spec.num_speculative_tokens, spec_schedule=spec.schedule)
     values.update(cfg.sim)
     values["seed"] = values.get("seed", 0) * 1000 + index
     return SimParams(**values)
@@ -89,6 +93,7 @@ def make_engines(cfg: EngineConfig, info: ModelInfo) -> list[Engine]:
                 cpu_bind=binds[i] if binds else None,
                 seed=i,
                 vllm_args=cfg.vllm_args,
+                spec=SpecConfig.from_dict(cfg.spec),
             )
             for i in range(cfg.num_engines)
         ]

@@ -34,6 +34,21 @@ the end of the step in progress, exactly where the step-by-step loop would
 have reacted; an aborted request keeps the tokens of every completed step.
 Timing, admission, preemption and finish times are those of the step-by-step
 loop; only the granularity of the deltas differs.
+
+Speculative decoding (`spec_method` not "off") is modelled in expectation.
+With depth K = schedule(batch size n), per-position acceptance rates a_i
+(the chance that draft token i is accepted once tokens 1..i-1 were) and a
+draft step costing `spec_draft_cost` target steps, one verify step lasts
+
+    verify = decode_base_s + decode_per_seq_s * n * (1 + spec_verify_cost * K)
+    draft  = K * spec_draft_cost * (decode_base_s + decode_per_seq_s * n)
+
+and yields L(K) = 1 + sum_i prod_{j<=i} a_j tokens per sequence, so the
+engine emits one token per sequence every (verify + draft) / L seconds.
+`spec_acceptance_drift` shrinks every a_i by that fraction per policy
+version the drafter is behind (a frozen drafter against a moving policy);
+`update_draft_weights` brings it up to the serving version. Per-sample
+draft/accepted counts are the expectations K/L and (L-1)/L per token.
 """
 from __future__ import annotations
 
@@ -55,6 +70,7 @@ from rollout_service.core.types import (
     TokenDelta,
 )
 from rollout_service.engines.base import EngineError
+from rollout_service.engines.spec import DEFAULT_SCHEDULE, SpecConfig, SpecMonitor
 
 
 @dataclass(slots=True)
@@ -74,6 +90,26 @@ class SimParams:
     vocab_size: int = 64
     eos_token_id: int = 2
     seed: int = 0
+    # Speculative decoding (see the module docstring); "off" disables it.
+    spec_method: str = "off"
+    spec_max_k: int = 4
+    spec_schedule: list = field(default_factory=lambda: [list(e) for e in DEFAULT_SCHEDULE])
+    spec_acceptance: float | list = 0.7  # per draft position (a list) or the same at every position
+    spec_draft_cost: float = 0.05  # one draft step / one target decode step, same batch
+    spec_verify_cost: float = 0.0  # extra per-sequence cost of each verified draft token (x decode_per_seq_s)
+    spec_acceptance_drift: float = 0.0  # fraction of acceptance lost per policy version of drafter staleness
+
+    def acceptance_profile(self, k: int, lag: int = 0) -> list[float]:
+        """P(draft token i is accepted), i = 1..k, for a drafter `lag`
+        policy versions behind; the expected tokens per sequence per verify
+        step are 1 + sum(profile)."""
+        rates = self.spec_acceptance if isinstance(self.spec_acceptance, (list, tuple)) else [self.spec_acceptance]
+        keep = (1.0 - self.spec_acceptance_drift) ** max(0, lag)
+        out, run = [], 1.0
+        for i in range(k):
+            run *= min(1.0, max(0.0, float(rates[min(i, len(rates) - 1)]) * keep))
+            out.append(run)
+        return out
 
 
 @dataclass(slots=True)
@@ -87,6 +123,10 @@ class _Seq:
     prefilled: bool = False
     done: bool = False
     key: int = 0  # hash of (seed, request id): token ids derive from it
+    drafted_f: float = 0.0  # expected draft tokens proposed / accepted so far
+    accepted_f: float = 0.0
+    drafted: int = 0  # of those, already reported in deltas
+    accepted: int = 0
 
     def steps_to_finish(self) -> int:
         """Engine steps until this request stops (end token or budget)."""
@@ -144,6 +184,9 @@ class _Run:
     version: int
     done: asyncio.Future
     timer: asyncio.TimerHandle | None = None
+    k: int = 0  # speculative depth of every step of the run
+    length: float = 1.0  # expected tokens per sequence per verify step
+    profile: list = field(default_factory=list)  # P(draft token i accepted)
 
     def elapsed(self, j: int) -> float:
         """Seconds from the run's start to the end of its j-th step."""
@@ -181,6 +224,12 @@ class SimEngine:
         self._task: asyncio.Task | None = None
         self._tokens_per_s = 0.0
         self._run: _Run | None = None
+        p = self.params
+        spec = SpecConfig(method=p.spec_method, num_speculative_tokens=p.spec_max_k,
+                          schedule=[list(e) for e in p.spec_schedule])
+        spec.validate()
+        self.spec_monitor = SpecMonitor(spec, p.max_seqs)
+        self._draft_policy_version = 0  # the policy version the drafter last caught up with
         self.busy_s = 0.0  # time spent in steps with work (for utilisation)
         self.slot_s = 0.0  # sum over steps of running sequences x step time
         self.steps = 0
@@ -232,7 +281,7 @@ class SimEngine:
             done = min(run.steps_done(asyncio.get_running_loop().time()), run.steps - 1)
             run.seqs.remove(seq)
             if done > 0:
-                self._emit(seq, done, run.version)
+                self._emit(seq, done, run.version, run.k, run.length)
         if seq in self._running:
             self._running.remove(seq)
         elif seq in self._waiting:
@@ -267,6 +316,23 @@ class SimEngine:
             await asyncio.sleep(self.params.weight_update_s)
             self._version = version
             self._state = prev if prev != "updating" else "ready"
+
+    async def update_draft_weights(self, version: int, weights: object) -> None:
+        """The drafter catches up with the serving policy (no pause: drafts
+        are verified, so this never changes what is sampled)."""
+        self._cut_run()
+        self._draft_policy_version = self._version
+        self.spec_monitor.draft_version = version
+
+    async def set_spec_schedule(self, schedule) -> None:
+        """Replace the speculative depth per running-batch size."""
+        if not self.spec_monitor.cfg.enabled:
+            raise EngineError(f"engine {self.engine_id} does not speculate")
+        self.spec_monitor.set_schedule(schedule)
+        self._cut_run()
+
+    def spec_status(self) -> dict:
+        return self.spec_monitor.status()
 
     async def close(self) -> None:
         self._state = "dead"
@@ -325,17 +391,30 @@ class SimEngine:
         if n > 1:
             # Step i starts with ctx0 + (i-1)n tokens; it is preempted if that plus n exceeds the cache.
             steps = min(steps, max(1, (p.kv_capacity_tokens - ctx0) // n))
+        # With speculation a step of the run is one token per sequence: a
+        # verify step (plus its drafts) divided by the tokens it yields.
+        per_step_s = p.decode_base_s + p.decode_per_seq_s * n
+        k = self.spec_monitor.k_for(n) if self.spec_monitor.cfg.enabled else 0
+        length, profile = 1.0, []
+        if k > 0:
+            profile = p.acceptance_profile(k, self._version - self._draft_policy_version)
+            length = 1.0 + sum(profile)
+            verify = p.decode_base_s + p.decode_per_seq_s * n * (1 + p.spec_verify_cost * k)
+            per_step_s = (verify + k * p.spec_draft_cost * per_step_s) / length
         return _Run(
             t0=now,
             seqs=list(self._running),
             steps=steps,
             n=n,
             ctx0=ctx0,
-            per_step_s=p.decode_base_s + p.decode_per_seq_s * n,
-            ctx_s=p.decode_per_ctx_token_s,
+            per_step_s=per_step_s,
+            ctx_s=p.decode_per_ctx_token_s / length,
             prefill_s=p.prefill_per_token_s * prefill_tokens,
             version=self._version,
             done=asyncio.get_running_loop().create_future(),
+            k=k,
+            length=length,
+            profile=profile,
         )
 
     def _cut_run(self) -> None:
@@ -376,8 +455,15 @@ class SimEngine:
                 tokens[i] = (t + 1) % p.vocab_size
         return tokens, logprobs
 
-    def _emit(self, seq: _Seq, count: int, version: int) -> FinishReason | None:
+    def _emit(self, seq: _Seq, count: int, version: int, k: int = 0, length: float = 1.0) -> FinishReason | None:
         """Append `count` steps of tokens to `seq` and hand them to its stream."""
+        drafted = accepted = 0
+        if k > 0:
+            seq.drafted_f += count * k / length
+            seq.accepted_f += count * (length - 1.0) / length
+            drafted, accepted = round(seq.drafted_f) - seq.drafted, round(seq.accepted_f) - seq.accepted
+            seq.drafted += drafted
+            seq.accepted += accepted
         tokens, logprobs = self._tokens(seq, count)
         seq.generated.extend(tokens)
         seq.logprobs.extend(logprobs)
@@ -387,7 +473,7 @@ class SimEngine:
             finish = FinishReason.STOP
         elif len(seq.generated) >= seq.request.max_new_tokens:
             finish = FinishReason.LENGTH
-        seq.queue.put_nowait(TokenDelta(tokens, logprobs, version, finish))
+        seq.queue.put_nowait(TokenDelta(tokens, logprobs, version, finish, drafted, accepted))
         return finish
 
     def _complete(self, run: _Run) -> None:
@@ -400,11 +486,13 @@ class SimEngine:
         for seq in run.seqs:
             if seq.done:
                 continue
-            finish = self._emit(seq, m, run.version)
+            finish = self._emit(seq, m, run.version, run.k, run.length)
             if finish is not None:
                 seq.done = True
                 self._running.remove(seq)
                 self._seqs.pop(seq.request.request_id, None)
+        if self.spec_monitor.cfg.enabled:
+            self.spec_monitor.record_expected(run.n, run.k, dt, run.n * m, run.n * m / run.length, run.profile)
         if dt > 0:
             decay = 0.9 ** m
             self._tokens_per_s = decay * self._tokens_per_s + (1 - decay) * (run.n * m / dt)

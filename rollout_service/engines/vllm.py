@@ -33,6 +33,7 @@ from rollout_service.core.types import (
 )
 from rollout_service.core.weights import StagedWeights
 from rollout_service.engines.base import EngineError, WeightsRejected
+from rollout_service.engines.spec import SpecConfig, SpecMonitor, normalize_schedule
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,8 @@ class _LoadLogger:
                     engine._kv_usage = scheduler_stats.kv_cache_usage
                 if iteration_stats is not None:
                     engine._count_tokens(iteration_stats.num_generation_tokens)
+                if engine.spec.enabled:
+                    engine._record_spec_step(scheduler_stats, iteration_stats)
 
             def log_engine_initialized(self):
                 pass
@@ -106,6 +109,8 @@ class VllmEngine:
         cpu_bind: str | None = None,
         seed: int = 0,
         vllm_args: Mapping[str, object] | None = None,
+        spec: SpecConfig | Mapping[str, object] | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         self.engine_id = engine_id
         self.model = model
@@ -115,6 +120,12 @@ class VllmEngine:
         self.cpu_bind = cpu_bind
         self.seed = seed
         self.vllm_args = dict(vllm_args or {})
+        # Speculative decoding (off by default) and extra environment for the
+        # engine's processes (e.g. ROLLOUT_STOCK_SPEC_SAMPLER=1).
+        self.spec = spec if isinstance(spec, SpecConfig) else SpecConfig.from_dict(spec)
+        self.env = dict(env or {})
+        self.spec_monitor = SpecMonitor(self.spec, max_seqs)
+        self._last_draft: tuple[int, StagedWeights] | None = None
         self._llm = None
         self._state = "starting"
         self._version = 0
@@ -149,6 +160,9 @@ class VllmEngine:
             logprobs_mode="processed_logprobs",
             disable_log_stats=False,
         )
+        if self.spec.enabled:
+            args["speculative_config"] = self.spec.vllm_speculative_config(self.max_seqs)
+            args["per_request_spec_decode_metrics"] = "summary"
         args.update(self.vllm_args)
         # Engine processes read these at spawn: set them for this engine only.
         # Construction blocks until the engine core is up (~20 s on a CPU), so
@@ -156,6 +170,7 @@ class VllmEngine:
         env = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, round(self.kv_cache_gib)))}
         if self.cpu_bind is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_bind
+        env.update(self.env)
 
         def build():
             with _SPAWN_LOCK:
@@ -172,6 +187,8 @@ class VllmEngine:
 
         self._llm = await asyncio.to_thread(build)
         await self._llm.update_weight_version(str(self._version))
+        if self.spec.enabled:
+            await self._restore_spec_state()
         self._state = "ready"
         log.info("%s ready (%s, pid %s)", self.engine_id, self.model, self.engine_core_pid)
 
@@ -262,10 +279,12 @@ class VllmEngine:
                 seq.logprobs += lps
                 seq.versions += versions
                 finish = None
+                drafted = accepted = 0
                 if out.finished:
                     finish = FinishReason.LENGTH if comp.finish_reason == "length" else FinishReason.STOP
                     if comp.finish_reason == "abort":
                         finish = FinishReason.ABORTED
+                    drafted, accepted = _spec_counts(comp)
                 # One delta per version run (a merged delta may span an update).
                 i = 0
                 while i < len(ids):
@@ -273,10 +292,11 @@ class VllmEngine:
                     while j < len(ids) and versions[j] == versions[i]:
                         j += 1
                     last = j == len(ids)
-                    yield TokenDelta(ids[i:j], lps[i:j], versions[i], finish if last else None)
+                    yield TokenDelta(ids[i:j], lps[i:j], versions[i], finish if last else None,
+                                     drafted if last else 0, accepted if last else 0)
                     i = j
                 if not ids and finish is not None:
-                    yield TokenDelta([], [], self._version, finish)
+                    yield TokenDelta([], [], self._version, finish, drafted, accepted)
                 if finish is not None:
                     return
         except asyncio.CancelledError:
@@ -359,3 +379,71 @@ class VllmEngine:
             finally:
                 await self._llm.resume_generation()
                 self._state = "ready"
+
+    # -- speculative decoding -----------------------------------------------------
+
+    def _record_spec_step(self, scheduler_stats, iteration_stats) -> None:
+        """Feed one engine step to the monitor. The step time is the
+        inter-token latency of the requests that were already decoding
+        (engine-core timestamps, so front-end lag does not count)."""
+        if iteration_stats is None:
+            return
+        itl = iteration_stats.inter_token_latencies_iter
+        batch = len(itl) + len(iteration_stats.time_to_first_tokens_iter)
+        seconds = sorted(itl)[len(itl) // 2] if itl else None
+        spec_stats = getattr(scheduler_stats, "spec_decoding_stats", None) if scheduler_stats is not None else None
+        self.spec_monitor.record(batch, seconds, iteration_stats.num_generation_tokens, spec_stats)
+
+    def spec_status(self) -> dict:
+        """The `spec` section of this engine's status: method, schedule in
+        force, draft-weight version, tokens drafted and accepted, acceptance
+        by draft position, the depth tuner's state."""
+        return self.spec_monitor.status()
+
+    async def set_spec_schedule(self, schedule) -> None:
+        """Replace the speculative depth per running-batch size
+        ([(first, last, K), ...]); it takes effect between two engine steps."""
+        if not self.spec.enabled:
+            raise EngineError(f"engine {self.engine_id} does not speculate")
+        if not self._alive():
+            raise EngineError(f"engine {self.engine_id} is not running")
+        self.spec_monitor.set_schedule(schedule)
+        await self._llm.engine_core.call_utility_async(
+            "rollout_set_spec_schedule", [list(e) for e in self.spec_monitor.schedule])
+
+    async def spec_engine_info(self) -> dict:
+        """What the engine-core process reports of its speculation (pid, max
+        K, the dense depth lookup, whether the exact sampler is in place)."""
+        return await self._llm.engine_core.call_utility_async("rollout_spec_info")
+
+    async def update_draft_weights(self, version: int, weights: StagedWeights) -> None:
+        """Reload the draft model in place. No pause: the worker applies it
+        between two steps, and speculation is verified, so draft weights
+        change only how many drafted tokens are accepted, never what is
+        sampled."""
+        if self.spec.method != "draft_model":
+            raise EngineError(f"engine {self.engine_id} has no draft model (spec method {self.spec.method!r})")
+        if not self._alive():
+            raise EngineError(f"engine {self.engine_id} is not running")
+        path = await weights.as_file()
+        await self._llm.collective_rpc("rollout_reload_draft_weights", args=(path,))
+        self.spec_monitor.draft_version = version
+        self._last_draft = (version, weights)
+
+    async def _restore_spec_state(self) -> None:
+        """After a restart: the tuned schedule and the latest draft weights."""
+        monitor = self.spec_monitor
+        if monitor.schedule != normalize_schedule(self.spec.schedule, self.max_seqs, self.spec.num_speculative_tokens):
+            await self.set_spec_schedule(monitor.schedule)
+        if self._last_draft is not None:
+            await self.update_draft_weights(*self._last_draft)
+
+
+def _spec_counts(completion) -> tuple[int, int]:
+    """(draft tokens proposed, accepted) for a finished request, from vLLM's
+    per-request speculative metrics; (0, 0) without speculation."""
+    metrics = getattr(completion, "spec_decode_metrics", None)
+    if metrics is None:
+        return 0, 0
+    accepted = sum(j * n for j, n in enumerate(metrics.histogram))
+    return int(metrics.num_draft_tokens), int(accepted)

@@ -29,6 +29,9 @@ class CarryOverConfig:
     stale_action: str = "restart"
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
         if self.mode not in CARRY_MODES:
             raise ValueError(f"carry_over.mode must be one of {CARRY_MODES}, got {self.mode!r}")
         if self.stale_action not in STALE_ACTIONS:

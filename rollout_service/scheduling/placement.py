@@ -5,10 +5,21 @@ loads: it pops the requests it places from the head of the queue and returns
 (request, engine_id) decisions. The core applies them; nothing here awaits.
 `assigned[engine_id]` counts the requests the service has placed on an
 engine and not yet seen finish.
+
+The baselines reproduce how the systems the service is measured against
+spread a step's samples over their engines (each engine then batches
+continuously and queues what does not fit):
+
+| name | system | rule |
+|---|---|---|
+| `static` | TRL's vLLM server | the step's prompts split evenly, in order, across engines, decided once |
+| `least-assigned` | verl's agent loop | each sample to the engine with the fewest requests in flight |
+| `sticky-rr` | AReaL | groups round-robin over engines, every sample of a group on the group's engine |
 """
 from __future__ import annotations
 
-from collections import deque
+import heapq
+from collections import OrderedDict, deque
 from typing import Mapping, Protocol, Sequence
 
 from rollout_service.core.types import EngineLoad, Request
@@ -28,27 +39,108 @@ def _ready(loads: Sequence[EngineLoad]) -> list[EngineLoad]:
 
 
 class LeastAssigned:
-    """FIFO onto the ready engine with the fewest requests in flight, up to
-    each engine's `max_seqs` (verl's agent loop balances this way)."""
+    """Each request, in queue order, to the ready engine with the fewest
+    requests in flight (ties: the first in fleet order). verl's agent loop
+    balances its servers this way and sends every request at once; the
+    engine queues what exceeds its batch.
+
+    With `cap_at_max_seqs`, an engine takes no more than its `max_seqs` and
+    the rest waits in the service's queue until a slot frees (late binding).
+    """
 
     name = "least-assigned"
 
+    def __init__(self, cap_at_max_seqs: bool = False) -> None:
+        self.cap_at_max_seqs = cap_at_max_seqs
+
     def place(self, queue, loads, assigned):
         engines = _ready(loads)
-        counts = {l.engine_id: assigned.get(l.engine_id, 0) for l in engines}
-        caps = {l.engine_id: l.max_seqs for l in engines}
+        heap = [(assigned.get(l.engine_id, 0), i) for i, l in enumerate(engines)]
+        heapq.heapify(heap)
         out: list[tuple[Request, str]] = []
-        while queue and engines:
-            eid = min(counts, key=lambda e: (counts[e] / caps[e], e))
-            if counts[eid] >= caps[eid]:
-                break
-            req = queue.popleft()
-            out.append((req, eid))
-            counts[eid] += 1
+        while queue and heap:
+            count, i = heapq.heappop(heap)
+            if self.cap_at_max_seqs and count >= engines[i].max_seqs:
+                continue  # full: drop it from this round
+            out.append((queue.popleft(), engines[i].engine_id))
+            heapq.heappush(heap, (count + 1, i))
         return out
 
 
-PLACEMENTS = {LeastAssigned.name: LeastAssigned}
+class StaticSplit:
+    """TRL's vLLM server: the prompts queued together (one step's batch) are
+    cut into as many contiguous chunks as there are ready engines, the first
+    `len % engines` chunks one group longer; every sample of a group goes with
+    its prompt. Decided once per batch, whatever the engines' loads."""
+
+    name = "static"
+
+    def __init__(self) -> None:
+        self._offset = 0  # where the next batch's first chunk goes
+
+    def place(self, queue, loads, assigned):
+        engines = _ready(loads)
+        if not engines or not queue:
+            return []
+        groups: dict[str, list[Request]] = {}
+        while queue:
+            req = queue.popleft()
+            groups.setdefault(req.group.group_id, []).append(req)
+        chunks = split_evenly(list(groups.values()), len(engines))
+        out: list[tuple[Request, str]] = []
+        for j, chunk in enumerate(chunks):
+            engine_id = engines[(self._offset + j) % len(engines)].engine_id
+            out.extend((req, engine_id) for group in chunk for req in group)
+        # A batch smaller than the fleet (a re-queued request) starts where the last one stopped.
+        self._offset = (self._offset + len(groups) % len(engines)) % len(engines)
+        return out
+
+
+def split_evenly(items: list, n: int) -> list[list]:
+    """`n` contiguous chunks whose sizes differ by at most one, longer first."""
+    size, extra = divmod(len(items), n)
+    out, start = [], 0
+    for j in range(n):
+        end = start + size + (1 if j < extra else 0)
+        out.append(items[start:end])
+        start = end
+    return out
+
+
+class StickyRoundRobin:
+    """AReaL: each new group goes to the next engine in round-robin order and
+    all its samples follow it there (they share a request id, so the router
+    keeps them together). A group whose engine is no longer ready moves to
+    the next engine in turn."""
+
+    name = "sticky-rr"
+
+    def __init__(self, remembered_groups: int = 100_000) -> None:
+        self._next = 0
+        self._home: OrderedDict[str, str] = OrderedDict()
+        self._limit = remembered_groups
+
+    def place(self, queue, loads, assigned):
+        ids = [l.engine_id for l in _ready(loads)]
+        if not ids:
+            return []
+        ready = set(ids)
+        out: list[tuple[Request, str]] = []
+        while queue:
+            req = queue.popleft()
+            gid = req.group.group_id
+            engine_id = self._home.get(gid)
+            if engine_id not in ready:
+                engine_id = ids[self._next % len(ids)]
+                self._next += 1
+                self._home[gid] = engine_id
+                if len(self._home) > self._limit:
+                    self._home.popitem(last=False)
+            out.append((req, engine_id))
+        return out
+
+
+PLACEMENTS = {p.name: p for p in (LeastAssigned, StaticSplit, StickyRoundRobin)}
 
 
 def make_placement(name: str) -> Placement:

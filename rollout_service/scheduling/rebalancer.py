@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 @dataclass(slots=True)
 class RebalanceConfig:
+    enabled: bool = False  # the service runs the rebalancer only when set
     interval_s: float = 0.1  # how often the core asks for decisions
     drained_fraction: float = 0.25  # an engine below this share of max_seqs, nothing waiting, takes work
     imbalance_ratio: float = 2.0  # the source must hold this many times the target's predicted work
