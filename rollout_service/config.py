@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +39,20 @@ class EngineConfig:
 
 
 @dataclass(slots=True)
+class AuthConfig:
+    # Bearer tokens; none configured means no authentication. Also read from
+    # the environment (comma-separated): ROLLOUT_SUBMIT_TOKENS, ROLLOUT_WEIGHTS_TOKENS.
+    submit_tokens: list[str] = field(default_factory=list)
+    weights_tokens: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class TlsConfig:
+    cert_file: str = ""  # PEM; both set means gRPC and HTTP serve TLS
+    key_file: str = ""
+
+
+@dataclass(slots=True)
 class ServiceConfig:
     host: str = "127.0.0.1"
     grpc_port: int = 50051
@@ -48,16 +63,23 @@ class ServiceConfig:
     max_queued_samples: int = 1_000_000
     max_groups_per_submit: int = 4096
     consumer_ttl_s: float = 3600.0
+    push_idle_timeout_s: float = 30.0  # a weight push silent this long is abandoned
     log_level: str = "INFO"
     engine: EngineConfig = field(default_factory=EngineConfig)
     carry_over: CarryOverConfig = field(default_factory=CarryOverConfig)
     rebalance: RebalanceConfig = field(default_factory=RebalanceConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    tls: TlsConfig = field(default_factory=TlsConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def describe(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+        """The configuration as JSON, secrets redacted (for start-up logs)."""
+        d = self.to_dict()
+        for key in ("submit_tokens", "weights_tokens"):
+            d["auth"][key] = [f"<{len(d['auth'][key])} redacted>"] if d["auth"][key] else []
+        return json.dumps(d, indent=2, sort_keys=True)
 
 
 def _parse_value(text: str) -> Any:
@@ -86,6 +108,8 @@ def set_field(cfg: ServiceConfig, dotted: str, value: Any) -> None:
             current = getattr(target, part)
             if isinstance(current, bool):
                 value = value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
+            elif isinstance(current, list) and isinstance(value, str):
+                value = [v.strip() for v in value.split(",") if v.strip()]
             elif isinstance(current, (int, float)) and not isinstance(value, (int, float)):
                 raise ValueError(f"{dotted} must be a number, got {value!r}")
             elif isinstance(current, float):
@@ -115,5 +139,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Se
             raise ValueError(f"--set expects key=value, got {item!r}")
         key, text = item.split("=", 1)
         set_field(cfg, key.strip(), _parse_value(text.strip()))
+    for env, key in (("ROLLOUT_SUBMIT_TOKENS", "auth.submit_tokens"), ("ROLLOUT_WEIGHTS_TOKENS", "auth.weights_tokens")):
+        if os.environ.get(env):
+            set_field(cfg, key, os.environ[env])
     cfg.carry_over.validate()
     return cfg

@@ -4,6 +4,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import ssl
+from pathlib import Path
 
 import grpc
 from aiohttp import web
@@ -11,6 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from rollout_proto import rollout_pb2, rollout_pb2_grpc
+from rollout_service.api.auth import AuthInterceptor, TokenAuth, http_middleware
 from rollout_service.api.http import make_app
 from rollout_service.api.openai_http import OpenAIFrontEnd
 from rollout_service.api.servicer import RolloutServicer
@@ -54,7 +57,9 @@ class RolloutService:
         await self.core.start()
 
         max_msg = cfg.max_message_mb * 1024 * 1024
+        auth = TokenAuth(cfg.auth.submit_tokens, cfg.auth.weights_tokens)
         self._grpc = grpc.aio.server(
+            interceptors=[AuthInterceptor(auth)] if auth.enabled else [],
             options=[
                 ("grpc.max_receive_message_length", max_msg),
                 ("grpc.max_send_message_length", max_msg),
@@ -68,6 +73,7 @@ class RolloutService:
             tokenizer,
             info.name,
             int(cfg.max_weights_gb * 1024**3),
+            cfg.push_idle_timeout_s,
         )
         rollout_pb2_grpc.add_RolloutServiceServicer_to_server(servicer, self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
@@ -75,15 +81,26 @@ class RolloutService:
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             self._grpc,
         )
-        self.grpc_port = self._grpc.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
+        address = f"{cfg.host}:{cfg.grpc_port}"
+        ssl_context = None
+        if cfg.tls.cert_file and cfg.tls.key_file:
+            cert, key = Path(cfg.tls.cert_file).read_bytes(), Path(cfg.tls.key_file).read_bytes()
+            self.grpc_port = self._grpc.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
+            ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            ssl_context.load_cert_chain(cfg.tls.cert_file, cfg.tls.key_file)
+        else:
+            self.grpc_port = self._grpc.add_insecure_port(address)
         if self.grpc_port == 0:
             raise OSError(f"cannot bind gRPC to {cfg.host}:{cfg.grpc_port}")
         await self._grpc.start()
 
         openai = OpenAIFrontEnd(self.core, limits, tokenizer, info.name)
-        self._http = web.AppRunner(make_app(self.core, openai), access_log=None)
+        app = make_app(self.core, openai)
+        if auth.enabled:
+            app.middlewares.append(http_middleware(auth))
+        self._http = web.AppRunner(app, access_log=None)
         await self._http.setup()
-        site = web.TCPSite(self._http, cfg.host, cfg.http_port)
+        site = web.TCPSite(self._http, cfg.host, cfg.http_port, ssl_context=ssl_context)
         await site.start()
         self.http_port = site._server.sockets[0].getsockname()[1]
 

@@ -61,15 +61,22 @@ class RolloutClient:
         consumer_id: str | None = None,
         max_message_mb: int = 64,
         reconnect_timeout_s: float = 60.0,
+        token: str | None = None,
+        tls_ca_file: str | None = None,
     ) -> None:
         self.address = address
         self.consumer_id = consumer_id or f"consumer-{uuid.uuid4().hex[:8]}"
         self.reconnect_timeout_s = reconnect_timeout_s
         max_msg = max_message_mb * 1024 * 1024
-        self._channel = grpc.aio.insecure_channel(
-            address,
-            options=[("grpc.max_receive_message_length", max_msg), ("grpc.max_send_message_length", max_msg)],
-        )
+        options = [("grpc.max_receive_message_length", max_msg), ("grpc.max_send_message_length", max_msg)]
+        if tls_ca_file:
+            with open(tls_ca_file, "rb") as f:
+                creds = grpc.ssl_channel_credentials(root_certificates=f.read())
+            self._channel = grpc.aio.secure_channel(address, creds, options=options)
+        else:
+            self._channel = grpc.aio.insecure_channel(address, options=options)
+        # Sent with every call; the server never logs it.
+        self._md = (("authorization", f"Bearer {token}"),) if token else None
         self._stub = pb_grpc.RolloutServiceStub(self._channel)
         self.last_cursor = 0  # highest cursor received
         self.acked_cursor = 0
@@ -92,12 +99,12 @@ class RolloutClient:
     async def submit(self, groups: Iterable[PromptGroup], batch_id: str = "") -> list[str]:
         """Enqueue groups; returns their ids (server-assigned where empty).
         Retrying with the same group ids never creates a group twice."""
-        reply = await self._stub.Submit(pb.SubmitRequest(groups=[_group_pb(g) for g in groups], batch_id=batch_id))
-        return list(reply.group_ids)
+        return [gid for gid, _ in await self.submit_detailed(groups, batch_id)]
 
     async def submit_detailed(self, groups: Iterable[PromptGroup], batch_id: str = "") -> list[tuple[str, bool]]:
         """Like submit, with whether each group was created (False: it existed)."""
-        reply = await self._stub.Submit(pb.SubmitRequest(groups=[_group_pb(g) for g in groups], batch_id=batch_id))
+        request = pb.SubmitRequest(groups=[_group_pb(g) for g in groups], batch_id=batch_id)
+        reply = await self._stub.Submit(request, metadata=self._md)
         return list(zip(reply.group_ids, reply.created))
 
     async def stream(self, ack_every: int = 64, from_cursor: int | None = None) -> AsyncIterator[CompletedSample]:
@@ -110,7 +117,9 @@ class RolloutClient:
         cursor = self.last_cursor if from_cursor is None else from_cursor
         deadline = None
         while True:
-            call = self._stub.StreamSamples(pb.StreamSamplesRequest(consumer_id=self.consumer_id, from_cursor=cursor))
+            call = self._stub.StreamSamples(
+                pb.StreamSamplesRequest(consumer_id=self.consumer_id, from_cursor=cursor), metadata=self._md
+            )
             try:
                 async for event in call:
                     deadline = None
@@ -153,7 +162,7 @@ class RolloutClient:
         cursor = self.last_cursor if cursor is None else cursor
         if cursor <= self.acked_cursor:
             return self.acked_cursor
-        reply = await self._stub.Ack(pb.AckRequest(consumer_id=self.consumer_id, cursor=cursor))
+        reply = await self._stub.Ack(pb.AckRequest(consumer_id=self.consumer_id, cursor=cursor), metadata=self._md)
         self.acked_cursor = max(self.acked_cursor, reply.acked_cursor)
         return self.acked_cursor
 
@@ -162,9 +171,8 @@ class RolloutClient:
     ) -> tuple[int, list[CompletedSample]]:
         """Stop groups; with keep_partial, returns the unfinished samples with
         the tokens generated so far (finish_reason "aborted")."""
-        reply = await self._stub.Abort(
-            pb.AbortRequest(group_ids=list(group_ids), batch_id=batch_id, all=all, keep_partial=keep_partial)
-        )
+        request = pb.AbortRequest(group_ids=list(group_ids), batch_id=batch_id, all=all, keep_partial=keep_partial)
+        reply = await self._stub.Abort(request, metadata=self._md)
         return reply.aborted_groups, [CompletedSample.from_pb(s) for s in reply.partial_samples]
 
     # -- weights -------------------------------------------------------------------
@@ -177,14 +185,15 @@ class RolloutClient:
         tensors = await asyncio.to_thread(_weights.flatten, state_dict)
         specs = await asyncio.to_thread(_weights.manifest, tensors, checksums)
         header = pb.WeightsHeader(version=version, tensors=specs)
-        return await self._stub.PushWeights(_weights.chunks(header, tensors, int(chunk_mb * 1024 * 1024)))
+        chunks = _weights.chunks(header, tensors, int(chunk_mb * 1024 * 1024))
+        return await self._stub.PushWeights(chunks, metadata=self._md)
 
     async def push_weights_file(self, path: str, version: int) -> pb.PushWeightsResponse:
         """Same-host fast path: the server reads a safetensors file directly."""
         header = pb.WeightsHeader(version=version, file_path=path)
-        return await self._stub.PushWeights(iter([pb.WeightsChunk(header=header)]))
+        return await self._stub.PushWeights(iter([pb.WeightsChunk(header=header)]), metadata=self._md)
 
     # -- status ----------------------------------------------------------------------
 
     async def status(self) -> pb.StatusResponse:
-        return await self._stub.GetStatus(pb.StatusRequest())
+        return await self._stub.GetStatus(pb.StatusRequest(), metadata=self._md)

@@ -51,12 +51,14 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         tokenizer: validation.Tokenizer | None,
         model_name: str,
         max_weights_bytes: int,
+        push_idle_timeout_s: float = 30.0,
     ) -> None:
         self.core = core
         self.limits = limits
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_weights_bytes = max_weights_bytes
+        self.push_idle_timeout_s = push_idle_timeout_s
 
     async def Submit(self, request: pb.SubmitRequest, context) -> pb.SubmitResponse:
         try:
@@ -120,7 +122,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                 total = check_manifest(specs, self.max_weights_bytes)
                 self.core.check_weights(header.version, {s.name: (s.dtype, s.shape) for s in specs})
                 buffer = bytearray(total)
-                async for msg in request_iterator:
+                async for msg in _with_idle_timeout(request_iterator, self.push_idle_timeout_s):
                     if msg.WhichOneof("kind") != "data":
                         raise FieldError("header", "only one WeightsHeader may be sent, at the start")
                     n = len(msg.data)
@@ -134,12 +136,33 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             tensors = await asyncio.to_thread(split_and_verify, specs, buffer)
             staged = StagedWeights(tensors, source_path=header.file_path or None)
             version = await self.core.update_weights(header.version, staged)
+        except PushStalled as exc:
+            log.warning("weight push abandoned: %s", exc)
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
         except (FieldError, ManifestError, WeightsRejected, CoreError, OSError) as exc:
             if isinstance(exc, OSError):
                 exc = FieldError("header.file_path", f"cannot read {exc.filename!r}: {exc.strerror}")
             log.warning("weight push rejected: %s", exc)
             await _fail(context, exc)
         return pb.PushWeightsResponse(applied_version=version, bytes_received=received, seconds=time.perf_counter() - t0)
+
+
+class PushStalled(Exception):
+    pass
+
+
+async def _with_idle_timeout(iterator, timeout_s: float):
+    """The stream's messages; PushStalled when the sender goes quiet for
+    longer than `timeout_s` (a stalled trainer must not hold a push forever)."""
+    it = aiter(iterator)
+    while True:
+        try:
+            msg = await asyncio.wait_for(anext(it), timeout_s)
+        except StopAsyncIteration:
+            return
+        except asyncio.TimeoutError:
+            raise PushStalled(f"no data for {timeout_s:g} s: push abandoned, the serving version is unchanged") from None
+        yield msg
 
 
 def _match_file_manifest(sent: list[TensorSpec], found: list[TensorSpec]) -> list[TensorSpec]:
