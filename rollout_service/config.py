@@ -64,6 +64,7 @@ class ServiceConfig:
     max_groups_per_submit: int = 4096
     consumer_ttl_s: float = 3600.0
     push_idle_timeout_s: float = 30.0  # a weight push silent this long is abandoned
+    state_dir: str = ""  # where a graceful shutdown saves unfinished work ("" = nowhere)
     log_level: str = "INFO"
     engine: EngineConfig = field(default_factory=EngineConfig)
     carry_over: CarryOverConfig = field(default_factory=CarryOverConfig)

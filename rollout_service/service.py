@@ -54,6 +54,9 @@ class RolloutService:
             carry_over=cfg.carry_over,
             rebalance=cfg.rebalance if cfg.rebalance.enabled else None,
         )
+        if cfg.state_dir and self.core.restore(cfg.state_dir):
+            log.info("resumed from the checkpoint in %s: %d open groups, version %d",
+                     cfg.state_dir, len(self.core.groups), self.core.policy_version)
         await self.core.start()
 
         max_msg = cfg.max_message_mb * 1024 * 1024
@@ -112,10 +115,13 @@ class RolloutService:
         )
 
     async def stop(self, grace: float = 1.0) -> None:
+        """Stop serving; with a `state_dir`, checkpoint unfinished work first."""
         if self._grpc:
             for name in ("", SERVICE_NAME):
                 await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
             await self._grpc.stop(grace)
+        if self.core and self.config.state_dir:
+            await self.core.checkpoint(self.config.state_dir)
         if self._http:
             await self._http.cleanup()
         if self.core:

@@ -62,6 +62,22 @@ class DeliveryLog:
         self._wake()
         return self._last
 
+    def entries(self) -> list[Entry]:
+        """The retained entries, in cursor order."""
+        return self._entries[self._head :]
+
+    def consumers(self) -> list[Consumer]:
+        return list(self._consumers.values())
+
+    def restore(self, entries: list[tuple[int, Sample, bool]], last_cursor: int, consumers: list[Consumer]) -> None:
+        """Load a saved log (cursors kept) into an empty one."""
+        self._entries = [Entry(c, s, g) for c, s, g in entries]
+        self._head = 0
+        self._last = last_cursor
+        for c in consumers:
+            c.last_seen = self._now()
+            self._consumers[c.consumer_id] = c
+
     def _wake(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()

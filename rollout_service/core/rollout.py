@@ -93,6 +93,7 @@ class RolloutCore:
         self._rebalancer: asyncio.Task | None = None
         self._restarting: set[str] = set()
         self._last_weights: StagedWeights | None = None
+        self._restored_weights: StagedWeights | None = None
         self._weights_lock = asyncio.Lock()
         self.started_at = 0.0
         # Called with every finished sample (e.g. the online drafter trainer);
@@ -104,10 +105,35 @@ class RolloutCore:
     async def start(self) -> None:
         self.started_at = self.clock.now()
         await asyncio.gather(*(e.start() for e in self.engines.values()))
+        if self._restored_weights is not None:
+            # Restored from a checkpoint: serve its policy version before any work.
+            weights, self._restored_weights = self._restored_weights, None
+            await asyncio.gather(*(e.update_weights(self.policy_version, weights) for e in self.engines.values()))
+            self._last_weights = weights
         self._dispatcher = asyncio.create_task(self._dispatch_loop(), name="dispatch")
+        self._wake.set()  # restored work may be waiting
         self._watcher = asyncio.create_task(self._watch_loop(), name="engine-watch")
         if self.rebalance is not None:
             self._rebalancer = asyncio.create_task(self._rebalance_loop(), name="rebalance")
+
+    async def checkpoint(self, state_dir: str) -> None:
+        """Stop dispatching, abort what runs (keeping partial responses) and
+        save the state for a restarted service (see core/checkpoint.py)."""
+        from rollout_service.core import checkpoint
+
+        if self._dispatcher:
+            self._dispatcher.cancel()
+        for req, _ in list(self.running.values()):
+            await self.preempt(req)
+        path = await asyncio.to_thread(checkpoint.save, self, state_dir)
+        log.info("saved %d open groups and %d undelivered samples to %s",
+                 len(self.groups), self.delivery.retained, path)
+
+    def restore(self, state_dir: str) -> bool:
+        """Load a checkpoint before start(); returns whether there was one."""
+        from rollout_service.core import checkpoint
+
+        return checkpoint.load(self, state_dir)
 
     async def stop(self) -> None:
         for task in (self._dispatcher, self._watcher, self._rebalancer):

@@ -175,6 +175,18 @@ class StagedWeights:
                 self._path, self._owned = path, True
             return self._path
 
+    def path_now(self) -> str:
+        """The staged file's path if it exists (see as_file), else write one
+        synchronously (used at shutdown)."""
+        if self._path is None or not os.path.exists(self._path):
+            import tempfile
+
+            fd, path = tempfile.mkstemp(prefix="rollout-weights-", suffix=".safetensors")
+            os.close(fd)
+            write_safetensors(path, self.tensors)
+            self._path, self._owned = path, True
+        return self._path
+
     def cleanup(self) -> None:
         if self._owned and self._path:
             try:

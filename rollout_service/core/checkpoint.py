@@ -1,0 +1,127 @@
+"""Save and restore the service's state across a graceful restart.
+
+On SIGTERM the service stops taking requests, aborts what is running
+(keeping every partial response), and writes: unfinished groups with their
+partial responses, the delivery log's retained samples with their cursors,
+each consumer's acknowledged cursor, the ids of finished groups (Submit stays
+idempotent), the policy version and its weights. A restarted service loads
+this before it serves, resumes the partials by re-prefill and re-delivers
+unacknowledged samples, so every submitted group is delivered once.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from pathlib import Path
+
+from rollout_service.core.delivery import Consumer
+from rollout_service.core.types import FinishReason, Group, GroupSpec, Request, Sample, SamplingParams
+from rollout_service.core.versions import VersionTags
+from rollout_service.core.weights import StagedWeights, read_safetensors, split_and_verify
+
+STATE_FILE = "state.json"
+WEIGHTS_FILE = "weights.safetensors"
+
+
+def _spec_dict(spec: GroupSpec) -> dict:
+    d = dataclasses.asdict(spec)
+    d["sampling"]["stop_token_ids"] = list(spec.sampling.stop_token_ids)
+    return d
+
+
+def _spec_from(d: dict) -> GroupSpec:
+    sampling = d.pop("sampling")
+    sampling["stop_token_ids"] = tuple(sampling["stop_token_ids"])
+    return GroupSpec(sampling=SamplingParams(**sampling), **d)
+
+
+def _sample_dict(s: Sample) -> dict:
+    d = {f.name: getattr(s, f.name) for f in dataclasses.fields(Sample)}
+    d["versions"] = s.versions.segments
+    d["finish_reason"] = int(s.finish_reason)
+    return d
+
+
+def _sample_from(d: dict) -> Sample:
+    d["versions"] = VersionTags([list(x) for x in d["versions"]])
+    d["finish_reason"] = FinishReason(d["finish_reason"])
+    return Sample(**d)
+
+
+def save(core, state_dir: str) -> Path:
+    """Write the core's state (call after every request was preempted)."""
+    out = Path(state_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    groups = []
+    for g in core.groups.values():
+        if g.aborted or g.listener is not None:
+            continue
+        groups.append({
+            "spec": _spec_dict(g.spec),
+            "submitted_at": g.submitted_at,
+            "requests": [
+                {"index": r.index, "token_ids": r.token_ids, "logprobs": r.logprobs, "versions": r.versions.segments,
+                 "engines": r.engines, "num_migrations": r.num_migrations, "queued_at": r.queued_at,
+                 "first_token_at": r.first_token_at, "finished": r.finish_reason is not None}
+                for r in g.requests
+            ],
+        })
+    log = core.delivery
+    state = {
+        "policy_version": core.policy_version,
+        "groups": groups,
+        "done_groups": list(core._done_groups),
+        "last_cursor": log.last_cursor,
+        "entries": [{"cursor": e.cursor, "group_complete": e.group_complete, "sample": _sample_dict(e.sample)}
+                    for e in log.entries()],
+        "consumers": {c.consumer_id: c.acked for c in log.consumers()},
+        "counters": dict(core.counters),
+    }
+    weights = core._last_weights
+    if weights is not None:
+        shutil.copyfile(weights.path_now(), out / WEIGHTS_FILE)
+    tmp = out / (STATE_FILE + ".tmp")
+    tmp.write_text(json.dumps(state))
+    os.replace(tmp, out / STATE_FILE)  # atomic: a crash mid-write leaves the old state
+    return out / STATE_FILE
+
+
+def load(core, state_dir: str) -> bool:
+    """Restore a saved state into a core that has not started dispatching;
+    returns whether there was one. The state file is renamed once loaded."""
+    path = Path(state_dir) / STATE_FILE
+    if not path.exists():
+        return False
+    state = json.loads(path.read_text())
+    core.policy_version = state["policy_version"]
+    for gid in state["done_groups"]:
+        core._done_groups[gid] = None
+    for gd in state["groups"]:
+        spec = _spec_from(gd["spec"])
+        group = Group(spec, submitted_at=gd["submitted_at"])
+        for rd in gd["requests"]:
+            req = Request(f"{spec.group_id}/{rd['index']}", group, rd["index"], queued_at=rd["queued_at"])
+            req.token_ids, req.logprobs = rd["token_ids"], rd["logprobs"]
+            req.versions = VersionTags([list(x) for x in rd["versions"]])
+            req.engines, req.num_migrations, req.first_token_at = rd["engines"], rd["num_migrations"], rd["first_token_at"]
+            if rd["finished"]:
+                req.finish_reason = FinishReason.STOP  # already delivered; only counted
+                group.finished += 1
+            else:
+                core.queue.append(req)
+            group.requests.append(req)
+        core.groups[spec.group_id] = group
+    core.delivery.restore(
+        [(e["cursor"], _sample_from(e["sample"]), e["group_complete"]) for e in state["entries"]],
+        state["last_cursor"],
+        [Consumer(cid, acked) for cid, acked in state["consumers"].items()],
+    )
+    core.counters.update(state["counters"])
+    weights_file = Path(state_dir) / WEIGHTS_FILE
+    if weights_file.exists() and core.policy_version > 0:
+        specs, buffer = read_safetensors(str(weights_file))
+        core._restored_weights = StagedWeights(split_and_verify(specs, buffer), source_path=str(weights_file))
+    path.rename(path.with_suffix(".restored"))
+    return True
