@@ -19,13 +19,22 @@ def _metrics_text(core: RolloutCore) -> str:
         "# TYPE rollout_retained_samples gauge",
         f"rollout_retained_samples {st['retained_samples']}",
     ]
-    for name in sorted(st["counters"]):
-        lines += [f"# TYPE rollout_{name}_total counter", f"rollout_{name}_total {st['counters'][name]}"]
+    counters = st["counters"]
+    for name in sorted(n for n in counters if not n.startswith("samples_lag_")):
+        lines += [f"# TYPE rollout_{name}_total counter", f"rollout_{name}_total {counters[name]}"]
+    lines.append("# TYPE rollout_samples_by_lag_total counter")
+    for name in sorted(n for n in counters if n.startswith("samples_lag_")):
+        lines.append(f'rollout_samples_by_lag_total{{lag="{name.removeprefix("samples_lag_")}"}} {counters[name]}')
     for series in ("running", "waiting", "kv_usage", "tokens_per_s"):
         lines.append(f"# TYPE rollout_engine_{series} gauge")
         for load, _ in st["engines"]:
             value = getattr(load, series)
             lines.append(f'rollout_engine_{series}{{engine="{load.engine_id}"}} {value}')
+    for name, hist in core.histograms.items():
+        lines.append(f"# TYPE rollout_{name} histogram")
+        for le, count in hist.cumulative():
+            lines.append(f'rollout_{name}_bucket{{le="{le}"}} {count}')
+        lines += [f"rollout_{name}_sum {hist.sum}", f"rollout_{name}_count {hist.count}"]
     return "\n".join(lines) + "\n"
 
 

@@ -19,6 +19,7 @@ from typing import Callable, Iterable, Mapping, Protocol
 
 from rollout_service.core.clock import Clock
 from rollout_service.core.delivery import DeliveryLog
+from rollout_service.core.histogram import Histogram
 from rollout_service.core.weights import StagedWeights
 from rollout_service.partial.carry_over import CarryOverConfig, CarryPlan, plan_carry_over
 from rollout_service.scheduling.length_predictor import LengthPredictor
@@ -87,6 +88,7 @@ class RolloutCore:
         self.assigned: Counter[str] = Counter()
         self.policy_version = 0
         self.counters: Counter[str] = Counter()
+        self.histograms = {"sample_latency_seconds": Histogram(), "weight_update_seconds": Histogram()}
         self._wake = asyncio.Event()
         self._dispatcher: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None
@@ -353,6 +355,7 @@ class RolloutCore:
         if group.spec.prompt_text and self.detokenizer is not None:
             sample.response_text = self.detokenizer.decode(sample.response_token_ids)
         self.counters["samples_completed"] += 1
+        self.histograms["sample_latency_seconds"].observe(req.finished_at - req.queued_at)
         if self.predictor is not None:
             self.predictor.observe(req, len(req.token_ids), group.complete)
         self.counters[f"samples_lag_{self.policy_version - sample.versions.min_version}"] += 1
@@ -460,6 +463,7 @@ class RolloutCore:
         still names the weights that produced it)."""
         async with self._weights_lock:
             self.check_weights(version, {})
+            t0 = self.clock.monotonic()
             unfinished = [r for g in self.groups.values() if not g.aborted for r in g.requests if r.finish_reason is None]
             plan = plan_carry_over(self.carry_over, unfinished, set(self.running), version)
             for req in plan.preempt:
@@ -476,6 +480,7 @@ class RolloutCore:
                 previous.cleanup()
             self.policy_version = version
             self.counters["weight_updates"] += 1
+            self.histograms["weight_update_seconds"].observe(self.clock.monotonic() - t0)
             self._apply_carry(plan, unfinished)
             return version
 
