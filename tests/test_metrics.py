@@ -18,7 +18,9 @@ async def _scrape(port) -> dict[str, list]:
 
 
 def _value(families, name, **labels):
-    return sum(s.value for s in families.get(name, []) if all(s.labels.get(k) == v for k, v in labels.items()))
+    """Sum of the samples called `name` (or `name`_total for counters)."""
+    return sum(s.value for samples in families.values() for s in samples
+               if s.name in (name, f"{name}_total") and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
 async def test_metrics_series_change_under_load(sim_service, client):
