@@ -15,23 +15,26 @@ import logging
 import uuid
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping, Protocol
+from typing import Callable, Iterable, Protocol
 
 from rollout_service.core.clock import Clock
 from rollout_service.core.delivery import DeliveryLog
+from rollout_service.core.fleet import FleetMixin
+from rollout_service.core.weight_sync import WeightSyncMixin
 from rollout_service.core.histogram import Histogram
 from rollout_service.core.weights import StagedWeights
-from rollout_service.partial.carry_over import CarryOverConfig, CarryPlan, plan_carry_over
+from rollout_service.partial.carry_over import CarryOverConfig
 from rollout_service.scheduling.length_predictor import LengthPredictor
-from rollout_service.scheduling.rebalancer import EngineView, Move, RebalanceConfig, RequestView, plan_moves
+from rollout_service.scheduling.rebalancer import RebalanceConfig
 from rollout_service.core.types import (
+    CoreError,
     FinishReason,
     Group,
     GroupSpec,
     Request,
     Sample,
 )
-from rollout_service.engines.base import Engine, EngineError
+from rollout_service.engines.base import Engine
 from rollout_service.scheduling.placement import Placement
 
 log = logging.getLogger(__name__)
@@ -39,14 +42,6 @@ log = logging.getLogger(__name__)
 
 class Detokenizer(Protocol):
     def decode(self, token_ids: list[int]) -> str: ...
-
-
-class CoreError(Exception):
-    """A request the core refuses; `code` maps to a gRPC status in the api layer."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code  # "invalid", "not_found", "exhausted", "failed_precondition"
 
 
 @dataclass(slots=True)
@@ -57,7 +52,7 @@ class CoreLimits:
     health_interval_s: float = 1.0  # how often engines are checked for death
 
 
-class RolloutCore:
+class RolloutCore(FleetMixin, WeightSyncMixin):
     def __init__(
         self,
         engines: Iterable[Engine],
@@ -189,80 +184,6 @@ class RolloutCore:
 
     def knows(self, group_id: str) -> bool:
         return bool(group_id) and (group_id in self.groups or group_id in self._done_groups)
-
-    # -- engine health -----------------------------------------------------------
-
-    async def _watch_loop(self) -> None:
-        """Restart engines that died. Their requests were already re-queued
-        with their partial responses by the runners that saw them fail."""
-        while True:
-            await asyncio.sleep(self.limits.health_interval_s)
-            for engine_id, engine in self.engines.items():
-                if engine_id not in self._restarting and engine.load().state == "dead":
-                    self._restarting.add(engine_id)
-                    asyncio.create_task(self._restart(engine), name=f"restart-{engine_id}")
-
-    async def _restart(self, engine: Engine) -> None:
-        log.warning("engine %s died; restarting it", engine.engine_id)
-        self.counters["engine_restarts"] += 1
-        # Anything still placed there is lost to that process: continue it elsewhere.
-        for req, _ in [v for v in self.running.values() if v[0].engine_id == engine.engine_id]:
-            await self.preempt(req)
-            self._requeue(req)
-        try:
-            await engine.start()
-            if self._last_weights is not None:
-                # A fresh engine serves the model's original weights: bring it
-                # to the current policy before it takes requests.
-                await engine.update_weights(self.policy_version, self._last_weights)
-            log.info("engine %s is back", engine.engine_id)
-        except Exception:
-            log.exception("restart of %s failed; will retry", engine.engine_id)
-        finally:
-            self._restarting.discard(engine.engine_id)
-            self._wake.set()
-
-    # -- length-aware scheduling -----------------------------------------------------
-
-    def predicted_work(self, engine_id: str) -> float:
-        """Predicted remaining tokens of the requests placed on an engine."""
-        if self.predictor is None:
-            return 0.0
-        return sum(self.predictor.predict(r).median for r, _ in self.running.values() if r.engine_id == engine_id)
-
-    async def _rebalance_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.rebalance.interval_s)
-            if len(self.running) > 1:
-                try:
-                    await self.rebalance_once()
-                except Exception:  # a policy bug must not stop the service
-                    log.exception("rebalancing failed")
-
-    async def rebalance_once(self) -> list[Move]:
-        """Ask the rebalancer for moves on the current snapshot; apply them."""
-        now = self.clock.monotonic()
-        engines = []
-        for eid, engine in self.engines.items():
-            load = engine.load()
-            engines.append(EngineView(eid, self.assigned[eid], load.waiting, load.max_seqs,
-                                      ready=load.state == "ready" and eid not in self._restarting))
-        views = []
-        for req, _ in self.running.values():
-            if req.engine_id is None:
-                continue
-            est = self.predictor.predict(req)
-            views.append(RequestView(
-                req.request_id, req.engine_id, est.median, est.high,
-                len(req.group.spec.prompt_token_ids) + len(req.token_ids), req.num_migrations,
-                req.engines[-2] if len(req.engines) > 1 else None, req.moved_at,
-            ))
-        moves = plan_moves(self.rebalance, engines, views, now)
-        for move in moves:
-            entry = self.running.get(move.request_id)
-            if entry is not None and entry[0].engine_id == move.source:
-                await self.migrate(entry[0], move.target)
-        return moves
 
     # -- dispatch --------------------------------------------------------------
 
@@ -445,89 +366,6 @@ class RolloutCore:
             self.counters["groups_aborted"] += 1
             self._forget(group)
         return len(targets), partials
-
-    # -- weights -----------------------------------------------------------------
-
-    def check_weights(self, version: int, manifest: Mapping[str, tuple[str, tuple[int, ...]]]) -> None:
-        if version <= self.policy_version:
-            raise CoreError("invalid", f"version must be greater than the serving version {self.policy_version}, got {version}")
-        for engine in self.engines.values():
-            engine.check_weights(manifest)
-
-    async def update_weights(self, version: int, weights: StagedWeights) -> int:
-        """Apply verified weights on every engine at a safe point, then bump
-        the policy version; tokens sampled afterwards carry the new version.
-        Unfinished requests are carried over per `carry_over` (continue,
-        pause-resume or restart, under `max_version_lag`). If an engine fails,
-        the serving version stays and the error is raised (each token's tag
-        still names the weights that produced it)."""
-        async with self._weights_lock:
-            self.check_weights(version, {})
-            t0 = self.clock.monotonic()
-            unfinished = [r for g in self.groups.values() if not g.aborted for r in g.requests if r.finish_reason is None]
-            plan = plan_carry_over(self.carry_over, unfinished, set(self.running), version)
-            for req in plan.preempt:
-                await self.preempt(req)
-            try:
-                await asyncio.gather(*(e.update_weights(version, weights) for e in self.engines.values()))
-            except BaseException:
-                weights.cleanup()
-                self._requeue_front([r for r in plan.preempt if r.engine_id is None])
-                raise
-            # Kept staged so that an engine restarted later gets the same weights.
-            previous, self._last_weights = self._last_weights, weights
-            if previous is not None:
-                previous.cleanup()
-            self.policy_version = version
-            self.counters["weight_updates"] += 1
-            self.histograms["weight_update_seconds"].observe(self.clock.monotonic() - t0)
-            self._apply_carry(plan, unfinished)
-            return version
-
-    def _apply_carry(self, plan: CarryPlan, unfinished: list[Request]) -> None:
-        restart = {r.request_id for r in plan.restart}
-        dropped = {g.group_id for g in plan.drop}
-        for req in plan.restart:
-            self.counters["tokens_discarded"] += len(req.token_ids)
-            req.reset()
-        self.counters["tokens_carried"] += sum(
-            len(r.token_ids) for r in unfinished if r.request_id not in restart and r.group.group_id not in dropped
-        )
-        self._requeue_front([r for r in plan.preempt if r.group.group_id not in dropped])
-        for group in plan.drop:
-            self._drop(group, "max_version_lag")
-
-    def _requeue_front(self, reqs: list[Request]) -> None:
-        """Queue carried requests ahead of new work, keeping their order."""
-        self.queue.extendleft(reversed([r for r in reqs if r.engine_id is None and not r.group.aborted]))
-        self._wake.set()
-
-    def _drop(self, group: Group, reason: str) -> None:
-        """Give up a group: its unfinished samples are delivered as aborted,
-        with the reason, so nothing submitted goes unaccounted for."""
-        group.aborted = True
-        ids = {r.request_id for r in group.requests}
-        self.queue = deque(r for r in self.queue if r.request_id not in ids)
-        pending = [r for r in group.requests if r.finish_reason is None]
-        for req in pending:
-            if req.engine_id is not None:
-                # Still on an engine: stop it (its runner drops what follows).
-                engine_id, req.engine_id = req.engine_id, None
-                self.running.pop(req.request_id, None)
-                self.assigned[engine_id] -= 1
-                asyncio.create_task(self.engines[engine_id].abort(req.request_id))
-            req.finish_reason = FinishReason.ABORTED
-            req.finished_at = self.clock.now()
-            group.finished += 1
-            sample = Sample.from_request(req, FinishReason.ABORTED)
-            sample.drop_reason = reason
-            if group.listener is not None:
-                group.listener.put_nowait(("sample", sample))
-            else:
-                self.delivery.append(sample, group.finished == group.spec.num_samples)
-        self.counters["groups_dropped"] += 1
-        self.counters["samples_dropped"] += len(pending)
-        self._forget(group)
 
     # -- status --------------------------------------------------------------------
 

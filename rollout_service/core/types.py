@@ -14,6 +14,14 @@ from dataclasses import dataclass, field
 from rollout_service.core.versions import VersionTags
 
 
+class CoreError(Exception):
+    """A request the core refuses; `code` maps to a gRPC status in the api layer."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code  # "invalid", "not_found", "exhausted", "failed_precondition"
+
+
 class FinishReason(enum.IntEnum):
     UNSPECIFIED = 0
     STOP = 1
