@@ -318,6 +318,8 @@ class RolloutCore(FleetMixin, WeightSyncMixin):
         if partial is not None:
             # The engine's account of this segment is authoritative: it may hold
             # tokens the runner had not consumed yet.
+            # Tokens the runner had not seen yet were generated too.
+            self.counters["tokens_generated"] += max(0, len(partial.token_ids) - (len(req.token_ids) - segment_start))
             del req.token_ids[segment_start:], req.logprobs[segment_start:]
             req.versions = req.versions.truncated(segment_start)
             req.append(partial.token_ids, partial.logprobs, partial.versions)
