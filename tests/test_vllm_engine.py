@@ -42,17 +42,21 @@ async def _greedy(client, prompts=PROMPTS, max_tokens=24) -> list[tuple[list[int
     return [(got[f"{prefix}-{i}"].response_token_ids, got[f"{prefix}-{i}"].max_version) for i in range(len(prompts))]
 
 
-async def test_logprobs_match_transformers_recomputation(vclient):
+async def _max_logprob_gap(vclient, weights) -> float:
+    """Serve `weights`, sample, and compare every returned logprob with
+    transformers' recomputation on the same weights (nats)."""
     from transformers import AutoModelForCausalLM
 
     version = (await vclient.status()).policy_version + 1
-    await vclient.push_weights(_weights(), version=version)  # serve exactly the file's weights
+    await vclient.push_weights(weights, version=version)
     prefix = unique("lp")
     await vclient.submit([PromptGroup(prompt_token_ids=p, num_samples=2, max_tokens=40, temperature=1.0,
                                       group_id=f"{prefix}-{i}") for i, p in enumerate(PROMPTS)])
     samples = await collect(vclient, prefix, 2 * len(PROMPTS), timeout=120)
     assert all(s.min_version == s.max_version == version for s in samples)
     model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
+    model.load_state_dict(weights, strict=False)
+    model.tie_weights()
     worst = 0.0
     for s in samples:
         ids = torch.tensor([s.prompt_token_ids + s.response_token_ids])
@@ -60,8 +64,23 @@ async def test_logprobs_match_transformers_recomputation(vclient):
             logits = model(ids).logits[0, len(s.prompt_token_ids) - 1 : -1]
         ref = torch.log_softmax(logits.double(), -1).gather(1, torch.tensor(s.response_token_ids)[:, None])[:, 0]
         worst = max(worst, float((ref - torch.tensor(s.logprobs, dtype=torch.float64)).abs().max()))
+    return worst
+
+
+async def test_logprobs_match_transformers_recomputation(vclient):
     # Stated tolerance: 1e-3 nats per token (float32 on both sides, different kernels).
-    assert worst < 1e-3, worst
+    assert await _max_logprob_gap(vclient, _weights()) < 1e-3
+
+
+async def test_pushed_tied_embedding_reaches_the_output_layer(vclient):
+    """The tiny model ties lm_head to the embedding: a push that changes only
+    the embedding must change the output layer too (CPU repacking)."""
+    w = _weights()
+    g = torch.Generator().manual_seed(1)
+    emb = "model.embed_tokens.weight"
+    w[emb] = w[emb] + 0.3 * w[emb].std() * torch.randn(w[emb].shape, generator=g)
+    assert await _max_logprob_gap(vclient, w) < 1e-3
+    await vclient.push_weights(_weights(), version=(await vclient.status()).policy_version + 1)
 
 
 async def test_migrated_request_continues_from_its_prefix(vllm_service, vclient):

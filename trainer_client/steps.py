@@ -53,7 +53,8 @@ class StepRollout:
 
     async def _top_up(self) -> None:
         batch = []
-        while not self.exhausted and self.in_flight + len(batch) < self.in_flight_target:
+        # Complete groups not handed over yet count too, so they never pile up and age.
+        while not self.exhausted and len(self._order) + len(batch) < self.in_flight_target:
             try:
                 g = next(self.prompts)
             except StopIteration:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from rollout_service.api.openai_http import OpenAIFrontEnd
+from rollout_service.api.vllm_compat import VllmCompat
 from rollout_service.core.rollout import RolloutCore
 
 
@@ -67,4 +68,5 @@ def make_app(core: RolloutCore, openai: "OpenAIFrontEnd | None" = None) -> web.A
     app.router.add_get("/v1/status", status)
     if openai is not None:
         openai.routes(app)
+        VllmCompat(openai).routes(app)  # the rest of `vllm serve`'s surface
     return app

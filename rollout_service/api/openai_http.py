@@ -1,14 +1,18 @@
 """OpenAI-compatible completions on the side server, for agentic RL harnesses.
 
 `POST /v1/completions` and `POST /v1/chat/completions` (prompt as text or
-token ids, `n`, `logprobs`, `max_tokens`, `temperature`, `top_p`, `seed`,
-`stream`) run on the same engines and policies as gRPC rollouts; every
-response names the policy version(s) that produced it (`policy_version`,
-and per choice `policy_versions` as version segments). Malformed requests
-get 400 with an OpenAI-style JSON error naming the field.
+token ids, or for completions a batch of them, `n`, `logprobs`, `max_tokens`,
+`temperature`, `top_p`, `top_k`, `seed`, `stream`) run on the same engines
+and policies as gRPC rollouts; every response names the policy version(s)
+that produced it (`policy_version`, and per choice `policy_versions` as
+version segments). vLLM's extensions `return_token_ids` (the prompt's ids
+with the choices) and `return_tokens_as_token_ids` (logprob tokens as
+"token_id:<id>") are honoured, so vLLM clients read the answers unchanged.
+Malformed requests get 400 with an OpenAI-style JSON error naming the field.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import time
@@ -21,6 +25,9 @@ from rollout_service.core.rollout import CoreError, RolloutCore
 from rollout_service.core.types import FinishReason, GroupSpec, Sample, SamplingParams
 
 _FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORTED: "abort"}
+# Sampling settings the engines do not implement: accepted at their neutral value only.
+_NEUTRAL = {"min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+            "structured_outputs": None, "prompt_logprobs": None}
 
 
 class BadRequest(ValueError):
@@ -99,6 +106,14 @@ class OpenAIFrontEnd:
             raise BadRequest("prompt", f"{len(ids)} tokens; must be shorter than {self.limits.max_model_len}")
         return ids
 
+    def _prompt_batch(self, prompt) -> list[list[int]]:
+        """A completions prompt: one (text or token ids) or a list of them."""
+        if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+            if len(prompt) > self.limits.max_groups_per_submit:
+                raise BadRequest("prompt", f"{len(prompt)} prompts; at most {self.limits.max_groups_per_submit}")
+            return [self._prompt_ids(p) for p in prompt]
+        return [self._prompt_ids(prompt)]
+
     def _chat_prompt(self, messages) -> list[int]:
         if not isinstance(messages, list) or not messages:
             raise BadRequest("messages", "must be a non-empty list of {role, content} objects")
@@ -120,6 +135,10 @@ class OpenAIFrontEnd:
             max_tokens = _number(body, "max_completion_tokens", max_tokens, 1, budget, integer=True)
         temperature = _number(body, "temperature", 1.0, 0.0, 100.0)
         top_p = _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
+        top_k = _number(body, "top_k", -1, -1, self.limits.vocab_size, integer=True)  # 0 or -1: all tokens
+        for key, neutral in _NEUTRAL.items():
+            if body.get(key) is not None and body[key] != neutral:
+                raise BadRequest(key, f"is not supported by this server (only {neutral!r}), got {body[key]!r}")
         seed = body.get("seed")
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
             raise BadRequest("seed", f"must be a non-negative integer, got {seed!r}")
@@ -129,7 +148,9 @@ class OpenAIFrontEnd:
         if logprobs is not None and not isinstance(logprobs, bool):
             logprobs = _number(body, "logprobs", 0, 0, 20, integer=True)
         want = logprobs is not None and logprobs is not False
-        spec = GroupSpec("", prompt, n, SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed))
+        sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                  top_k=top_k if top_k > 0 else -1, seed=seed)
+        spec = GroupSpec("", prompt, n, sampling)
         return spec, want
 
     # -- endpoints ---------------------------------------------------------------
@@ -144,63 +165,85 @@ class OpenAIFrontEnd:
         try:
             body = await self._body(request)
             if chat:
-                prompt = self._chat_prompt(body.get("messages"))
+                prompts = [self._chat_prompt(body.get("messages"))]
             else:
                 if "prompt" not in body:
                     raise BadRequest("prompt", "is required")
-                prompt = self._prompt_ids(body["prompt"])
-            spec, want_logprobs = self._spec(body, prompt)
+                prompts = self._prompt_batch(body["prompt"])
+            specs = [self._spec(body, p) for p in prompts]
+            want_logprobs = specs[0][1]
             stream = body.get("stream", False)
             if not isinstance(stream, bool):
                 raise BadRequest("stream", f"must be a boolean, got {stream!r}")
+            if stream and len(prompts) > 1:
+                raise BadRequest("stream", "streams one prompt per request")
         except BadRequest as exc:
             return _error(400, str(exc), exc.param)
-        try:
-            group = self.core.submit_private(spec)
-        except CoreError as exc:
-            return _error(429 if exc.code == "exhausted" else 400, str(exc), kind="server_overloaded")
+        groups = []
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         try:
+            try:
+                for spec, _ in specs:
+                    groups.append(self.core.submit_private(spec))
+            except CoreError as exc:
+                return _error(429 if exc.code == "exhausted" else 400, str(exc), kind="server_overloaded")
             if stream:
-                return await self._stream(request, group, rid, created, chat, want_logprobs)
-            samples: list[Sample] = []
-            while len(samples) < spec.num_samples:
-                kind, *rest = await group.listener.get()
-                if kind == "sample":
-                    samples.append(rest[0])
-            samples.sort(key=lambda s: s.index)
-            choices = [self._choice(s, chat, want_logprobs) for s in samples]
-            usage = {"prompt_tokens": len(prompt), "completion_tokens": sum(len(s.response_token_ids) for s in samples)}
+                return await self._stream(request, groups[0], rid, created, chat, want_logprobs)
+            results = await asyncio.gather(*(self.collect(g) for g in groups))
+            ids_only = body.get("return_tokens_as_token_ids") is True
+            with_prompt = body.get("return_token_ids") is True and not chat
+            choices = [self._choice(s, chat, want_logprobs, ids_only, i * len(samples) + s.index, with_prompt)
+                       for i, samples in enumerate(results) for s in samples]
+            completion_tokens = sum(len(s.response_token_ids) for samples in results for s in samples)
+            usage = {"prompt_tokens": sum(map(len, prompts)), "completion_tokens": completion_tokens}
             usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-            return web.json_response({
+            response = {
                 "id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
                 "model": self.model_name, "choices": choices, "usage": usage,
-                "policy_version": max(s.versions.max_version for s in samples),
-            })
+                "policy_version": max(s.versions.max_version for samples in results for s in samples),
+            }
+            if chat and body.get("return_token_ids") is True:
+                response["prompt_token_ids"] = prompts[0]
+            return web.json_response(response)
         finally:
-            if group.group_id in self.core.groups:  # the client went away: free the engines
-                await self.core.abort([group.group_id])
+            live = [g.group_id for g in groups if g.group_id in self.core.groups]
+            if live:  # the client went away: free the engines
+                await self.core.abort(live)
+
+    async def collect(self, group) -> list[Sample]:
+        """Every sample of a group from `core.submit_private`, in index order."""
+        samples: list[Sample] = []
+        while len(samples) < group.spec.num_samples:
+            kind, *rest = await group.listener.get()
+            if kind == "sample":
+                samples.append(rest[0])
+        return sorted(samples, key=lambda s: s.index)
 
     def _text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
 
-    def _logprobs(self, ids: list[int], logprobs: list[float], chat: bool) -> dict:
-        tokens = [self._text([t]) for t in ids]
+    def _logprobs(self, ids: list[int], logprobs: list[float], chat: bool, ids_only: bool = False) -> dict:
+        # Only the sampled token's logprob is known: it is each position's one alternative.
+        tokens = [f"token_id:{t}" for t in ids] if ids_only else [self._text([t]) for t in ids]
         if chat:
             return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
                                 for t, lp in zip(tokens, logprobs)]}
-        return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": None, "text_offset": None}
+        return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": [{t: lp} for t, lp in zip(tokens, logprobs)],
+                "text_offset": None}
 
-    def _choice(self, s: Sample, chat: bool, want_logprobs: bool) -> dict:
+    def _choice(self, s: Sample, chat: bool, want_logprobs: bool, ids_only: bool = False, index: int | None = None,
+                with_prompt: bool = False) -> dict:
         text = self._text(s.response_token_ids)
         choice = {
-            "index": s.index,
+            "index": s.index if index is None else index,
             "finish_reason": _FINISH.get(s.finish_reason, "stop"),
-            "logprobs": self._logprobs(s.response_token_ids, s.logprobs, chat) if want_logprobs else None,
+            "logprobs": self._logprobs(s.response_token_ids, s.logprobs, chat, ids_only) if want_logprobs else None,
             "token_ids": s.response_token_ids,
             "policy_versions": [{"version": v, "start": a, "length": n} for v, a, n in s.versions.segments],
         }
+        if with_prompt:
+            choice["prompt_token_ids"] = s.prompt_token_ids
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:

@@ -10,7 +10,7 @@ import asyncio
 import logging
 
 from rollout_service.engines.base import Engine
-from rollout_service.scheduling.rebalancer import EngineView, Move, RequestView, plan_moves
+from rollout_service.scheduling.rebalancer import EngineView, Move, RequestView, is_drained, plan_moves
 
 log = logging.getLogger("rollout_service.core.rollout")
 
@@ -73,6 +73,8 @@ class FleetMixin:
             load = engine.load()
             engines.append(EngineView(eid, self.assigned[eid], load.waiting, load.max_seqs,
                                       ready=load.state == "ready" and eid not in self._restarting))
+        if not any(is_drained(self.rebalance, e) for e in engines):
+            return []  # nothing can take work: skip the predictions
         views = []
         for req, _ in self.running.values():
             if req.engine_id is None:

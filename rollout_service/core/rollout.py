@@ -206,6 +206,7 @@ class RolloutCore(FleetMixin, WeightSyncMixin):
     def _start(self, req: Request, engine: Engine) -> None:
         req.engine_id = engine.engine_id
         req.segment_start = len(req.token_ids)
+        req.segment_version = self.policy_version
         req.attempt += 1
         if req.engines:
             # Continuing a partial response: the prefix is prefilled again.

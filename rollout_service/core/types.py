@@ -114,6 +114,7 @@ class Request:
     engine_id: str | None = None  # where it runs now; None while queued
     segment_start: int = 0  # len(token_ids) when it started on that engine
     attempt: int = 0  # bumped at every (re)start on an engine
+    segment_version: int = 0  # the policy version when it (re)started on its engine
     moved_at: float = float("-inf")  # monotonic time of the last migration
     queued_at: float = 0.0
     first_token_at: float = 0.0

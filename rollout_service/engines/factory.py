@@ -52,12 +52,22 @@ def model_info(cfg: EngineConfig) -> ModelInfo:
 
 
 def load_tokenizer(info: ModelInfo):
-    """The model's tokenizer (for text prompts), or None without a model."""
-    if not info.path or not (Path(info.path) / "tokenizer.json").exists():
-        return None
-    from transformers import AutoTokenizer
+    """The model's tokenizer (for text prompts), or None without a model.
 
-    return AutoTokenizer.from_pretrained(info.path)
+    A directory whose tokenizer_config names `PreTrainedTokenizerFast` is
+    loaded as exactly that: recent transformers map `model_type` qwen2 to
+    Qwen2Tokenizer whatever the config says, which would mis-tokenize the
+    bundled character-level tokenizer."""
+    path = Path(info.path) if info.path else None
+    if path is None or not (path / "tokenizer.json").exists():
+        return None
+    import transformers
+
+    config = path / "tokenizer_config.json"
+    declared = json.loads(config.read_text()).get("tokenizer_class") if config.exists() else None
+    if declared == "PreTrainedTokenizerFast":
+        return transformers.PreTrainedTokenizerFast.from_pretrained(str(path))
+    return transformers.AutoTokenizer.from_pretrained(str(path))
 
 
 def sim_params(cfg: EngineConfig, info: ModelInfo, index: int) -> SimParams:

@@ -98,13 +98,19 @@ class SimParams:
     spec_draft_cost: float = 0.05  # one draft step / one target decode step, same batch
     spec_verify_cost: float = 0.0  # extra per-sequence cost of each verified draft token (x decode_per_seq_s)
     spec_acceptance_drift: float = 0.0  # fraction of acceptance lost per policy version of drafter staleness
+    # Model-free drafts (spec_method "ngram" or "siblings"): their own
+    # acceptance, nearly free to propose, and no drafter to go stale.
+    spec_ngram_acceptance: float | list = 0.5
+    spec_ngram_draft_cost: float = 0.0
 
     def acceptance_profile(self, k: int, lag: int = 0) -> list[float]:
         """P(draft token i is accepted), i = 1..k, for a drafter `lag`
         policy versions behind; the expected tokens per sequence per verify
         step are 1 + sum(profile)."""
-        rates = self.spec_acceptance if isinstance(self.spec_acceptance, (list, tuple)) else [self.spec_acceptance]
-        keep = (1.0 - self.spec_acceptance_drift) ** max(0, lag)
+        model_free = self.spec_method in ("ngram", "siblings")
+        rates = self.spec_ngram_acceptance if model_free else self.spec_acceptance
+        rates = rates if isinstance(rates, (list, tuple)) else [rates]
+        keep = 1.0 if model_free else (1.0 - self.spec_acceptance_drift) ** max(0, lag)
         out, run = [], 1.0
         for i in range(k):
             run *= min(1.0, max(0.0, float(rates[min(i, len(rates) - 1)]) * keep))
@@ -400,7 +406,8 @@ class SimEngine:
             profile = p.acceptance_profile(k, self._version - self._draft_policy_version)
             length = 1.0 + sum(profile)
             verify = p.decode_base_s + p.decode_per_seq_s * n * (1 + p.spec_verify_cost * k)
-            per_step_s = (verify + k * p.spec_draft_cost * per_step_s) / length
+            draft_cost = p.spec_ngram_draft_cost if p.spec_method in ("ngram", "siblings") else p.spec_draft_cost
+            per_step_s = (verify + k * draft_cost * per_step_s) / length
         return _Run(
             t0=now,
             seqs=list(self._running),

@@ -2,7 +2,9 @@
 depth schedule, and what each engine measures of it.
 
 An engine speculates with `method` "draft_model" (a small causal LM with the
-target's tokenizer) or "ngram" (prompt lookup, no model). The depth K (draft
+target's tokenizer), "ngram" (prompt lookup, no model) or "siblings"
+(suffix matching over the other responses of the same GRPO group,
+`vllm_siblings`). The depth K (draft
 tokens proposed per step) depends on the running batch size through a
 schedule [(first, last, K), ...]: speculation pays in the tail, where a
 decode step costs almost the same for one sequence as for sixty-four and
@@ -21,7 +23,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-METHODS = ("off", "draft_model", "ngram")
+METHODS = ("off", "draft_model", "ngram", "siblings")
+SIBLING_PROPOSER = "rollout_service.engines.vllm_siblings.SiblingProposer"
 #: Speculate deeply in the tail, a little in a half-empty batch, never in a full one.
 DEFAULT_SCHEDULE = ((1, 4, 4), (5, 16, 2), (17, 1 << 16, 0))
 
@@ -72,8 +75,12 @@ class SpecConfig:
     trainer (`rollout_service.drafter`); `tuner` and `trainer` hold their
     settings and are validated there."""
 
-    method: str = "off"  # off | draft_model | ngram
+    method: str = "off"  # off | draft_model | ngram | siblings
     model: str = ""  # draft model directory; "" means the bundled drafter
+    # "probabilistic": drafts are sampled from the drafter (acceptance
+    # 1 - TV(target, draft), near 1 for a well-trained drafter at any
+    # temperature); "greedy": its argmax (acceptance = target prob of it).
+    draft_sample_method: str = "probabilistic"
     num_speculative_tokens: int = 4  # the largest K any batch size may use
     schedule: list[list[int]] = field(default_factory=lambda: [list(e) for e in DEFAULT_SCHEDULE])
     prompt_lookup_min: int = 2  # ngram: shortest suffix to match (tokens)
@@ -106,6 +113,8 @@ class SpecConfig:
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"engine.spec.num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
         normalize_schedule(self.schedule, 1 << 16, self.num_speculative_tokens)
+        if self.draft_sample_method not in ("probabilistic", "greedy"):
+            raise ValueError(f"engine.spec.draft_sample_method must be 'probabilistic' or 'greedy', got {self.draft_sample_method!r}")
         if self.method == "ngram" and not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("engine.spec: need 1 <= prompt_lookup_min <= prompt_lookup_max")
         if self.train and self.method != "draft_model":
@@ -132,6 +141,9 @@ class SpecConfig:
         }
         if self.method == "draft_model":
             out["model"] = self.draft_model_path()
+            out["draft_sample_method"] = self.draft_sample_method
+        elif self.method == "siblings":
+            out.update(method="custom_class", model=SIBLING_PROPOSER)
         else:
             out["prompt_lookup_min"] = self.prompt_lookup_min
             out["prompt_lookup_max"] = self.prompt_lookup_max

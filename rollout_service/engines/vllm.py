@@ -136,6 +136,7 @@ class VllmEngine:
         self._manifest = checkpoint_manifest(model)
         self._update_lock = asyncio.Lock()
         self.restarts = 0
+        self.update_timeout_s = 120.0  # bound on each step of a weight update
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -188,7 +189,7 @@ class VllmEngine:
         self._llm = await asyncio.to_thread(build)
         await self._llm.update_weight_version(str(self._version))
         if self.spec.enabled:
-            await self._restore_spec_state()
+            await self._prepare_spec()
         self._state = "ready"
         log.info("%s ready (%s, pid %s)", self.engine_id, self.model, self.engine_core_pid)
 
@@ -371,13 +372,16 @@ class VllmEngine:
         async with self._update_lock:
             path = await weights.as_file()
             self._state = "updating"
-            await self._llm.pause_generation(mode="keep", clear_cache=True)
+            # Every wait is bounded: a stuck engine fails the push (the
+            # previous version keeps serving elsewhere) instead of hanging it.
+            timeout = self.update_timeout_s
+            await asyncio.wait_for(self._llm.pause_generation(mode="keep", clear_cache=True), timeout)
             try:
-                await self._llm.collective_rpc("rollout_reload_weights", args=(path,))
-                await self._llm.update_weight_version(str(version))
+                await asyncio.wait_for(self._llm.collective_rpc("rollout_reload_weights", args=(path,)), timeout)
+                await asyncio.wait_for(self._llm.update_weight_version(str(version)), timeout)
                 self._version = version
             finally:
-                await self._llm.resume_generation()
+                await asyncio.wait_for(self._llm.resume_generation(), timeout)
                 self._state = "ready"
 
     # -- speculative decoding -----------------------------------------------------
@@ -430,8 +434,11 @@ class VllmEngine:
         self.spec_monitor.draft_version = version
         self._last_draft = (version, weights)
 
-    async def _restore_spec_state(self) -> None:
-        """After a restart: the tuned schedule and the latest draft weights."""
+    async def _prepare_spec(self) -> None:
+        """After a (re)start: wire the sibling proposer; restore the tuned
+        schedule and the latest draft weights."""
+        if self.spec.method == "siblings":
+            await self._llm.collective_rpc("rollout_attach_sibling_drafter")
         monitor = self.spec_monitor
         if monitor.schedule != normalize_schedule(self.spec.schedule, self.max_seqs, self.spec.num_speculative_tokens):
             await self.set_spec_schedule(monitor.schedule)

@@ -15,10 +15,33 @@ def _iter_safetensors(path: str):
             yield name, f.get_tensor(name)
 
 
+def _tied_modules(model) -> list:
+    """Modules reachable under two names, or sharing a parameter with an
+    earlier module (a tied lm_head and embedding)."""
+    seen_modules: set[int] = set()
+    seen_params: set[int] = set()
+    tied, tied_ids = [], set()
+    for _, module in model.named_modules(remove_duplicate=False):
+        shared = id(module) in seen_modules
+        seen_modules.add(id(module))
+        for p in module.parameters(recurse=False):
+            shared |= id(p) in seen_params
+            seen_params.add(id(p))
+        if shared and id(module) not in tied_ids:
+            tied.append(module)
+            tied_ids.add(id(module))
+    return tied
+
+
 class RolloutWorkerExtension:
     def rollout_reload_weights(self, path: str) -> int:
         """Reload the target model's weights in place from a safetensors file
-        in checkpoint (Hugging Face) format; returns the tensor count."""
+        in checkpoint (Hugging Face) format; returns the tensor count.
+
+        On the CPU backend a layer keeps a repacked copy of its weight for its
+        kernels; an in-place reload refreshes it once per module, which leaves
+        the second user of a tied weight (the lm_head of a model with tied
+        embeddings) on the old copy. Those modules are repacked again here."""
         count = 0
 
         def counted():
@@ -27,7 +50,13 @@ class RolloutWorkerExtension:
                 count += 1
                 yield item
 
+        model = self.model_runner.get_model()
+        tied = _tied_modules(model)
         self.model_runner.reload_weights(weights_iterator=counted())
+        for module in tied:
+            method = getattr(module, "quant_method", None)
+            if method is not None and hasattr(method, "process_weights_after_loading"):
+                method.process_weights_after_loading(module)
         return count
 
     def rollout_reload_draft_weights(self, path: str) -> int:
@@ -44,6 +73,15 @@ class RolloutWorkerExtension:
         reload_weights(self.vllm_config, model, weights_iterator=iter(items), weights_path=None,
                        is_checkpoint_format=True)
         return len(items)
+
+    def rollout_attach_sibling_drafter(self) -> bool:
+        """Give the sibling proposer (`vllm_siblings`) the model runner; True
+        if this engine drafts from siblings."""
+        drafter = getattr(self.model_runner, "drafter", None)
+        if not hasattr(drafter, "attach"):
+            return False
+        drafter.attach(self.model_runner)
+        return True
 
     def rollout_spec_sampler_patched(self) -> tuple[int, bool]:
         """(pid, whether this worker runs the exact rejection-sampler

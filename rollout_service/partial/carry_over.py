@@ -57,7 +57,12 @@ def plan_carry_over(cfg: CarryOverConfig, unfinished: list[Request], running: se
     dropped: set[str] = set()
     for req in unfinished:
         is_running = req.request_id in running
-        stale = oldest_allowed is not None and len(req.token_ids) > 0 and req.versions.min_version < oldest_allowed
+        # A running request may hold tokens its engine has not reported yet:
+        # they are at least as old as the version it started this segment at.
+        oldest = req.versions.min_version if req.token_ids else None
+        if is_running:
+            oldest = req.segment_version if oldest is None else min(oldest, req.segment_version)
+        stale = oldest_allowed is not None and oldest is not None and oldest < oldest_allowed
         if stale and cfg.stale_action == "drop":
             if req.group.group_id not in dropped:
                 dropped.add(req.group.group_id)

@@ -36,21 +36,25 @@ def _quantile(sorted_values: list[float], q: float) -> float:
 
 
 class LengthPredictor:
-    def __init__(self, default_length: float = 256.0, history_per_prompt: int = 64, global_window: int = 4096,
+    def __init__(self, default_length: float = 256.0, history_per_prompt: int = 64, global_window: int = 256,
                  remembered_prompts: int = 100_000) -> None:
         self.default_length = default_length
         self._per_prompt: OrderedDict[str, deque[int]] = OrderedDict()
         self._history = history_per_prompt
         self._remembered = remembered_prompts
         self._siblings: dict[str, list[int]] = {}
-        self._global: deque[tuple[int, int]] = deque(maxlen=global_window)  # (prompt_len, length)
+        # Recent lengths by prompt-length bucket (powers of two), kept small:
+        # predictions run on every placement and rebalancing tick.
+        self._window = global_window
+        self._by_bucket: dict[int, deque[int]] = {}
 
     # -- learning -------------------------------------------------------------
 
     def observe(self, req: Request, length: int, group_done: bool) -> None:
         """A sample finished with `length` response tokens."""
         spec = req.group.spec
-        self._global.append((len(spec.prompt_token_ids), length))
+        bucket = max(1, len(spec.prompt_token_ids)).bit_length()
+        self._by_bucket.setdefault(bucket, deque(maxlen=self._window)).append(length)
         if spec.prompt_id:
             hist = self._per_prompt.setdefault(spec.prompt_id, deque(maxlen=self._history))
             hist.append(length)
@@ -74,11 +78,11 @@ class LengthPredictor:
             out += self._per_prompt[spec.prompt_id]
         if len(out) >= 2:
             return out
-        if self._global:
-            # Recent lengths of prompts of a similar size (within a factor of 2).
-            plen = len(spec.prompt_token_ids)
-            near = [n for p, n in self._global if plen / 2 <= p <= plen * 2]
-            out += near if len(near) >= 8 else [n for _, n in self._global]
+        if self._by_bucket:
+            # Recent lengths of prompts of a similar size (within about a factor of 2).
+            bucket = max(1, len(spec.prompt_token_ids)).bit_length()
+            near = [n for b in (bucket - 1, bucket, bucket + 1) for n in self._by_bucket.get(b, ())]
+            out += near if len(near) >= 8 else [n for d in self._by_bucket.values() for n in d]
         return out
 
     def predict(self, req: Request) -> LengthEstimate:

@@ -140,7 +140,14 @@ class StickyRoundRobin:
         return out
 
 
+def _length_aware():
+    from rollout_service.scheduling.length_aware import LengthAwarePlacement
+
+    return LengthAwarePlacement()
+
+
 PLACEMENTS = {p.name: p for p in (LeastAssigned, StaticSplit, StickyRoundRobin)}
+PLACEMENTS["length-aware"] = _length_aware  # longest predicted first, least predicted work (LPT)
 
 
 def make_placement(name: str) -> Placement:

@@ -25,6 +25,10 @@ def register_mechanism(name: str, description: str) -> None:
     MECHANISMS[name] = description
 
 
+register_mechanism("rebalance", "length-aware placement and rebalancing with partial-rollout migration")
+register_mechanism("partial", "partial rollout: over-provisioned steps, unfinished groups carried into the next version")
+
+
 @dataclass(slots=True, frozen=True)
 class PolicySpec:
     placement: str
@@ -63,6 +67,8 @@ def parse_policy(text: str) -> PolicySpec:
             mechanisms.append(part)
         else:
             raise ValueError(f"unknown policy {part!r} in {text!r}; {_known()}")
+    if placement is None and "rebalance" in mechanisms:
+        placement = "length-aware"  # rebalancing places by predicted length too
     return PolicySpec(placement or DEFAULT_PLACEMENT, tuple(mechanisms))
 
 

@@ -63,6 +63,11 @@ class _Load:
     requests: list[RequestView] = field(default_factory=list)
 
 
+def is_drained(cfg: RebalanceConfig, engine: EngineView) -> bool:
+    """Can this engine take work: ready, nothing waiting, batch below the threshold."""
+    return engine.ready and engine.waiting == 0 and engine.running < cfg.drained_fraction * engine.max_seqs
+
+
 def plan_moves(cfg: RebalanceConfig, engines: list[EngineView], requests: list[RequestView], now: float) -> list[Move]:
     """Migration decisions for one tick (pure: same snapshot, same answer)."""
     loads = {e.engine_id: _Load(e) for e in engines}
@@ -72,7 +77,7 @@ def plan_moves(cfg: RebalanceConfig, engines: list[EngineView], requests: list[R
             loads[r.engine_id].requests.append(r)
     ready = [l for l in loads.values() if l.view.ready]
     drained = sorted(
-        (l for l in ready if l.view.waiting == 0 and len(l.requests) < cfg.drained_fraction * l.view.max_seqs),
+        (l for l in ready if is_drained(cfg, l.view) and len(l.requests) < cfg.drained_fraction * l.view.max_seqs),
         key=lambda l: l.work,
     )
     moves: list[Move] = []

@@ -1,0 +1,160 @@
+"""`python -m load_tests run ...`: replay a workload against a fleet under
+one or more policies and write a report.
+
+    python -m load_tests run --workload math --engines 32 \\
+        --policy static,least-assigned,sticky-rr --clock virtual --report reports/math-32
+
+`--workload` and `--engines` also take comma-separated lists: every
+combination runs and gets its own folder DIR/<workload>-<engines>e/.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from load_tests.report import markdown_table, plot, table, write_json
+from load_tests.runner import RunConfig, run_policy
+from load_tests.workloads import WORKLOADS, load_workload
+from rollout_service.engines.sim import SimParams
+from rollout_service.scheduling import parse_policies
+
+COST_FIELDS = ("decode_base_s", "decode_per_seq_s", "decode_per_ctx_token_s", "prefill_per_token_s", "weight_update_s")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m load_tests", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="run a workload under one or more policies")
+    r.add_argument("--workload", default="math",
+                   help=f"{', '.join(WORKLOADS)}, synthetic:k=v,..., or a trace folder/file (comma list: each)")
+    r.add_argument("--engines", default="8", help="engines in the fleet (comma list: each)")
+    r.add_argument("--policy", default="static,least-assigned,sticky-rr",
+                   help="comma-separated policies, each a placement and '+'-joined mechanisms")
+    r.add_argument("--clock", choices=["virtual", "real"], default="virtual")
+    r.add_argument("--engine", choices=["sim", "vllm"], default="sim", help="engine kind (vllm: real clock)")
+    r.add_argument("--model", default="", help="vLLM model directory (default: the bundled tiny reasoner)")
+    r.add_argument("--max-seqs", type=int, default=64, help="running batch cap per engine (sequences)")
+    r.add_argument("--kv-tokens", type=int, default=262_144, help="KV cache per simulated engine (tokens)")
+    r.add_argument("--steps", type=int, help="steps to run (default: the trace's)")
+    r.add_argument("--groups-per-step", type=int, help="groups per step (default: the trace's)")
+    r.add_argument("--need-groups", type=int, help="groups a step waits for (default: all it submitted)")
+    r.add_argument("--over-provision", type=float, default=2.0,
+                   help="policy partial: groups kept in flight per group a step needs")
+    r.add_argument("--max-version-lag", type=int, default=1,
+                   help="policy partial: restart work holding tokens older than this many versions (-1: no bound)")
+    r.add_argument("--length-scale", type=float, default=1.0, help="multiply prompt and response lengths")
+    r.add_argument("--mode", choices=["closed", "open"], default="closed", help="closed loop (RL steps) or open loop")
+    r.add_argument("--rate", type=float, default=0.0, help="open loop: groups per second")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--sim", action="append", default=[], metavar="FIELD=VALUE",
+                   help=f"simulated-engine cost model, e.g. decode_base_s=0.02 ({', '.join(COST_FIELDS)})")
+    r.add_argument("--cost-model", metavar="JSON",
+                   help="a calibration file (load_tests/calibrate.py) whose sim_params set the cost model; --sim overrides it")
+    r.add_argument("--quick", action="store_true", help="a small run: 2 steps of at most 8 groups, lengths x0.1")
+    r.add_argument("--report", help="output directory (report.json, PNG plots)")
+    r.add_argument("--no-plots", action="store_true")
+    r.add_argument("--quiet", action="store_true", help="no per-step progress")
+    t = sub.add_parser("table", help="a markdown table of the report.json files under a directory")
+    t.add_argument("dir")
+    return p
+
+
+def _sim_overrides(items: list[str]) -> dict:
+    out = {}
+    known = set(SimParams.__dataclass_fields__)
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in known:
+            raise SystemExit(f"--sim {item!r}: expected FIELD=VALUE with FIELD one of {sorted(known)}")
+        current = getattr(SimParams(), key)
+        out[key] = value if isinstance(current, str) else type(current)(float(value))
+    return out
+
+
+def _cost_model(path: str | None) -> dict:
+    if not path:
+        return {}
+    fit = json.loads(Path(path).read_text())["sim_params"]
+    return {k: float(v) for k, v in fit.items() if k in COST_FIELDS}
+
+
+def run_one(args, workload_name: str, engines: int, out: Path | None) -> dict:
+    steps, groups, scale = args.steps, args.groups_per_step, args.length_scale
+    if args.quick:
+        steps = steps or 2
+        groups = min(groups or 8, 8)
+        scale = scale if scale != 1.0 else 0.1
+    workload = load_workload(workload_name, seed=args.seed, length_scale=scale, steps=steps, groups_per_step=groups)
+    policies = parse_policies(args.policy)
+    cfg = RunConfig(
+        workload=workload, engines=engines, clock=args.clock, engine_kind=args.engine, max_seqs=args.max_seqs,
+        kv_tokens=args.kv_tokens, sim={**_cost_model(args.cost_model), **_sim_overrides(args.sim)}, seed=args.seed, mode=args.mode, rate=args.rate,
+        need_groups=args.need_groups, model=args.model, progress=not args.quiet,
+        over_provision=args.over_provision, max_version_lag=args.max_version_lag,
+    )
+    cfg.check()
+    d = workload.describe()
+    print(f"{workload.name} ({d['source']}): {d['steps']} steps x {d['groups_per_step']} groups x "
+          f"{d['samples_per_group']} samples, length scale {workload.length_scale:g}, p50 {d['output_p50']:.0f} / "
+          f"max {d['output_max']} tokens; {engines} {args.engine} engines x {args.max_seqs} seqs, "
+          f"{args.clock} clock, {args.mode} loop", flush=True)
+    results = []
+    for policy in policies:
+        results.append(run_policy(cfg, policy))
+    print(table(results), flush=True)
+    config = {
+        "command": " ".join(["python -m load_tests", *sys.argv[1:]]),
+        "workload": workload_name, "engines": engines, "clock": args.clock, "engine": args.engine,
+        "max_seqs": args.max_seqs, "kv_tokens": args.kv_tokens, "length_scale": workload.length_scale,
+        "steps": len(workload.steps), "groups_per_step": workload.groups_per_step, "seed": args.seed,
+        "mode": args.mode, "rate": args.rate, "need_groups": args.need_groups, "quick": args.quick,
+        "sim": cfg.sim, "cost_model_file": args.cost_model, "policies": [p.name for p in policies],
+    }
+    if out is not None:
+        path = write_json(out, config, workload, results)
+        if not args.no_plots:
+            plot(out, workload, results, f"{workload.name}, {engines} engines")
+        print(f"report: {path}", flush=True)
+    return {"config": config, "results": {r.policy: r.summary for r in results}}
+
+
+def split_workloads(text: str) -> list[str]:
+    """"math,synthetic:median=300,sigma=1,code" -> ["math", "synthetic:median=300,sigma=1", "code"]."""
+    out: list[str] = []
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        if out and "=" in item and ":" not in item:
+            out[-1] += "," + item  # another parameter of the previous workload
+        else:
+            out.append(item)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "table":
+        print(markdown_table(Path(args.dir)))
+        return 0
+    workloads = split_workloads(args.workload)
+    fleets = [int(n) for n in args.engines.split(",") if n.strip()]
+    try:
+        parse_policies(args.policy)
+    except ValueError as exc:
+        raise SystemExit(f"--policy: {exc}")
+    combos = [(w, n) for w in workloads for n in fleets]
+    base = Path(args.report) if args.report else None
+    summaries = []
+    for w, n in combos:
+        out = base if base is None or len(combos) == 1 else base / f"{Path(w).name.replace(':', '_')}-{n}e"
+        summaries.append(run_one(args, w, n, out))
+    if base is not None and len(combos) > 1:
+        (base / "summary.json").write_text(json.dumps(summaries, indent=2, default=float))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

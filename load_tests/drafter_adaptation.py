@@ -1,0 +1,223 @@
+"""Does the online drafter keep up with a training policy? The acceptance
+length of a frozen drafter and of the online-trained one over successive
+policy versions, on real vLLM CPU engines.
+
+    python -m load_tests.drafter_adaptation --report reports/drafter-adaptation          # ~6 min
+    python -m load_tests.drafter_adaptation --quick --report reports/drafter-adaptation-quick
+
+Two engines serve the bundled tiny reasoner with the bundled drafter and
+speculate at every batch size (K=3, drafts sampled from the drafter). Each
+policy version:
+
+1. one rollout step: GRPO groups of tiny-reasoner problems, temperature 1.0,
+   placed on both engines by the service's core;
+2. each engine's acceptance over the step is recorded (mean acceptance
+   length: tokens per verify step of one request, bonus token included);
+3. the online trainer (`DrafterTrainer`, in its own process) trains one round
+   on the samples of the newest two policy versions and pushes the drafter to
+   the *adaptive* engine only; the *frozen* engine keeps the bundled drafter;
+4. the policy trains: a few optimizer steps of the target on its own
+   correct samples (rejection-sampling fine-tuning, the simplest RL-like
+   update), pushed to both engines with `RolloutCore.update_weights`.
+
+Sampling is exact on both engines, so they serve the same policy; only the
+drafters differ. Writes DIR/drafter_adaptation.json and .png.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def _staged(state: dict):
+    import torch
+
+    from rollout_service.core.weights import StagedWeights, WeightTensor
+
+    tensors = [WeightTensor(k, "float32", tuple(v.shape), memoryview(v.detach().contiguous().view(-1).view(torch.uint8).numpy()))
+               for k, v in state.items()]
+    return StagedWeights(tensors)
+
+
+def _policy_state(model) -> dict:
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    return state
+
+
+def _fine_tune(model, optimizer, examples, steps: int, batch_size: int, rng) -> float:
+    """Optimizer steps of the policy on (prompt, response) pairs (loss on
+    response tokens); returns the mean loss."""
+    from rollout_service.drafter.drafter_trainer import _batch
+
+    model.train()
+    losses = []
+    for _ in range(steps):
+        batch = [examples[i] for i in rng.choice(len(examples), size=min(batch_size, len(examples)), replace=False)]
+        input_ids, labels, mask = _batch(batch, 1024, 0)
+        loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    model.eval()
+    return float(np.mean(losses))
+
+
+async def run(args) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rollout_service.assets import tiny_draft_path, tiny_model_path
+    from rollout_service.core.clock import Clock
+    from rollout_service.core.rollout import RolloutCore
+    from rollout_service.core.types import GroupSpec, SamplingParams
+    from rollout_service.drafter import DrafterTrainer, TrainerConfig
+    from rollout_service.engines.vllm import VllmEngine
+    from rollout_service.scheduling import make_placement
+    from rollout_service.tasks import decode, generate_problems, prompt_token_ids, verify
+
+    target = args.model or str(tiny_model_path())
+    draft = args.draft or str(tiny_draft_path())
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(1)
+    rng = np.random.default_rng(args.seed)
+    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3, "schedule": [[1, 64, 3]]}
+    engines = [VllmEngine(name, target, max_seqs=64, max_model_len=1024, cpu_bind=str(i), seed=i, spec=spec)
+               for i, name in enumerate(("frozen", "adaptive"))]
+    core = RolloutCore(engines, make_placement("least-assigned"), Clock())
+    await core.start()
+    trainer = DrafterTrainer([engines[1]], TrainerConfig(steps_per_round=args.draft_steps, min_new_samples=10**9,
+                                                         versions_kept=2, seed=args.seed), draft, lambda: core.policy_version)
+    core.sample_taps.append(trainer.observe)
+    policy = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.policy_lr, weight_decay=0.0)
+    versions = []
+    problems = generate_problems(args.versions * args.groups, seed=args.seed + 1)
+    try:
+        for v in range(args.versions):
+            before = {e.engine_id: (e.spec_monitor.accepted_tokens, e.spec_monitor.draft_tokens, e.spec_monitor.spec_steps,
+                                    list(e.spec_monitor.accepted_per_pos), list(e.spec_monitor.drafted_per_pos))
+                      for e in engines}
+            step = problems[v * args.groups:(v + 1) * args.groups]
+            specs = [GroupSpec(f"v{v}-g{i}", prompt_token_ids(p), args.samples,
+                               SamplingParams(max_tokens=args.max_tokens, temperature=1.0)) for i, p in enumerate(step)]
+            t0 = time.perf_counter()
+            core.submit(specs)
+            samples = []
+            consumer = f"adaptation-{v}"
+            async for entry in core.delivery.stream(consumer):
+                if entry.sample.group_id.startswith(f"v{v}-"):
+                    samples.append(entry.sample)
+                core.delivery.ack(consumer, entry.cursor)
+                if len(samples) == len(specs) * args.samples:
+                    break
+            rollout_s = time.perf_counter() - t0
+            record = {"policy_version": core.policy_version, "rollout_s": rollout_s,
+                      "tokens": sum(len(s.response_token_ids) for s in samples), "drafter_version": trainer.draft_version}
+            for e in engines:
+                m, b = e.spec_monitor, before[e.engine_id]
+                steps = m.spec_steps - b[2]
+                drafted = m.draft_tokens - b[1]
+                accepted = m.accepted_tokens - b[0]
+                record[e.engine_id] = {
+                    "mean_acceptance_length": 1 + accepted / steps if steps else 1.0,
+                    "acceptance_rate": accepted / drafted if drafted else 0.0,
+                    "acceptance_by_position": [(a - a0) / (d - d0) if d > d0 else 0.0 for a, a0, d, d0 in
+                                               zip(m.accepted_per_pos, b[3], m.drafted_per_pos, b[4])],
+                    "draft_tokens": drafted,
+                }
+            by_id = {f"v{v}-g{i}": p for i, p in enumerate(step)}
+            rewards = [verify(by_id[s.group_id], decode(s.response_token_ids)) for s in samples]
+            record["reward_mean"] = float(np.mean(rewards))
+            print(f"policy v{core.policy_version}: acceptance length frozen {record['frozen']['mean_acceptance_length']:.2f}, "
+                  f"adaptive {record['adaptive']['mean_acceptance_length']:.2f} (drafter v{trainer.draft_version}); "
+                  f"reward {record['reward_mean']:.2f}; {record['tokens']} tokens in {rollout_s:.1f} s", flush=True)
+            # The drafter learns the samples of the newest two policy versions.
+            round_ = await trainer.train_once()
+            record["drafter_round"] = {k: round_[k] for k in ("loss_first", "loss_last", "agreement_before",
+                                                              "agreement_after", "seconds", "examples")}
+            # The policy trains on its own correct samples (all samples if none is correct).
+            good = [(s.prompt_token_ids, s.response_token_ids) for s, r in zip(samples, rewards) if r > 0]
+            examples = good if len(good) >= 4 else [(s.prompt_token_ids, s.response_token_ids) for s in samples]
+            record["policy_loss"] = await asyncio.to_thread(_fine_tune, policy, optimizer, examples, args.policy_steps,
+                                                            args.policy_batch, rng)
+            record["policy_examples"] = len(examples)
+            await core.update_weights(core.policy_version + 1, _staged(_policy_state(policy)))
+            versions.append(record)
+    finally:
+        await trainer.stop()
+        await core.stop()
+    return {
+        "target": target, "draft": draft, "versions": versions,
+        "config": {k: getattr(args, k) for k in ("versions", "groups", "samples", "max_tokens", "draft_steps",
+                                                 "policy_steps", "policy_batch", "policy_lr", "seed")},
+    }
+
+
+def plot(out: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    vs = [r["policy_version"] for r in out["versions"]]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, style in (("frozen", "s--"), ("adaptive", "o-")):
+        ax.plot(vs, [r[name]["mean_acceptance_length"] for r in out["versions"]], style, label=f"{name} drafter")
+    ax.set_xlabel("policy version")
+    ax.set_ylabel("mean acceptance length (tokens / verify step)")
+    ax.set_title("online drafter training vs the bundled drafter (K=3)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="", help="target (policy) model directory (default: the bundled tiny reasoner)")
+    p.add_argument("--draft", default="", help="initial drafter (default: the bundled drafter)")
+    p.add_argument("--versions", type=int, default=8, help="policy versions to run")
+    p.add_argument("--groups", type=int, default=16, help="GRPO groups per rollout step")
+    p.add_argument("--samples", type=int, default=4, help="samples per group")
+    p.add_argument("--max-tokens", type=int, default=400)
+    p.add_argument("--draft-steps", type=int, default=40, help="drafter optimizer steps per round")
+    p.add_argument("--policy-steps", type=int, default=12, help="policy optimizer steps per version")
+    p.add_argument("--policy-batch", type=int, default=8)
+    p.add_argument("--policy-lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="4 versions of 8 groups")
+    p.add_argument("--report", help="output directory")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.versions, args.groups, args.max_tokens = min(args.versions, 4), min(args.groups, 8), min(args.max_tokens, 256)
+    out = asyncio.run(run(args))
+    out["command"] = "python -m load_tests.drafter_adaptation" + (" --quick" if args.quick else "")
+    later = out["versions"][1:]
+    if later:
+        out["summary"] = {
+            "frozen_mean_acceptance_length": float(np.mean([r["frozen"]["mean_acceptance_length"] for r in later])),
+            "adaptive_mean_acceptance_length": float(np.mean([r["adaptive"]["mean_acceptance_length"] for r in later])),
+        }
+        print(json.dumps(out["summary"], indent=2))
+    if args.report:
+        d = Path(args.report)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "drafter_adaptation.json").write_text(json.dumps(out, indent=2))
+        plot(out, d / "drafter_adaptation.png")
+        print(f"report: {d / 'drafter_adaptation.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

