@@ -166,7 +166,7 @@ async def train(args) -> dict:
                 row = {
                     "step": step + 1, "reward": statistics.mean(flat), "step_s": time.perf_counter() - t0,
                     "generate_s": t_gen, "tokens": sum(len(s.response_token_ids) for g in groups for s in g),
-                    "masked_tokens": masked, "max_lag": max(lags), "loss": float(loss) if loss is not None else 0.0,
+                    "masked_tokens": masked, "max_lag": max(lags), "loss": float(loss.detach()) if loss is not None else 0.0,
                 }
                 history.append(row)
                 print(f"step {row['step']:>3}  reward {row['reward']:.3f}  loss {row['loss']:+.4f}  "

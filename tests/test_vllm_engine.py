@@ -84,18 +84,21 @@ async def test_pushed_tied_embedding_reaches_the_output_layer(vclient):
 
 
 async def test_migrated_request_continues_from_its_prefix(vllm_service, vclient):
+    from rollout_service.tasks import make_problem, prompt_token_ids
+
     core = vllm_service.core
-    prompt = PROMPTS[0]
+    prompt = prompt_token_ids(make_problem("collatz", [27]))  # a long answer: 111 steps
     gid = unique("ref")
-    await vclient.submit([PromptGroup(prompt_token_ids=prompt, num_samples=1, max_tokens=120, temperature=0.0, group_id=gid)])
+    await vclient.submit([PromptGroup(prompt_token_ids=prompt, num_samples=1, max_tokens=400, temperature=0.0, group_id=gid)])
     [ref] = await collect(vclient, gid, 1)
+    assert len(ref.response_token_ids) >= 40, "the reference answer is too short to migrate half-way"
     gid = unique("mig")
-    await vclient.submit([PromptGroup(prompt_token_ids=prompt, num_samples=1, max_tokens=120, temperature=0.0, group_id=gid)])
+    await vclient.submit([PromptGroup(prompt_token_ids=prompt, num_samples=1, max_tokens=400, temperature=0.0, group_id=gid)])
     req = core.groups[gid].requests[0]
     deadline = time.time() + 60
-    while len(req.token_ids) < 20:
+    while len(req.token_ids) < 8 or req.engine_id is None:
         assert time.time() < deadline and req.finish_reason is None
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.002)
     source = req.engine_id
     target = next(e for e in core.engines if e != source)
     await core.migrate(req, target)
