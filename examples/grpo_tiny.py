@@ -66,10 +66,11 @@ async def evaluate(client: RolloutClient, problems, samples: int, max_tokens: in
 
 
 def grpo_loss(model, groups, rewards, version: int, args):
-    """Clipped policy-gradient loss over the tokens of every sample
-    (token-mean), with group-normalised advantages."""
+    """Clipped policy-gradient loss with group-normalised advantages: the
+    mean over each sample's (unmasked) tokens, then over samples (GRPO's
+    sequence mean: a 1,000-token runaway weighs as much as a 50-token answer)."""
     device = next(model.parameters()).device
-    total, n_tokens, masked = 0.0, 0, 0
+    total, n_tokens, n_samples, masked = 0.0, 0, 0, 0
     for group, group_rewards in zip(groups, rewards):
         mean = statistics.mean(group_rewards)
         std = statistics.pstdev(group_rewards)
@@ -87,11 +88,14 @@ def grpo_loss(model, groups, rewards, version: int, args):
             masked += int((mask == 0).sum())
             ratio = torch.exp(new_lp - old_lp)
             surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - args.clip, 1 + args.clip) * adv)
-            total = total - (surrogate * mask).sum()
+            if mask.sum() == 0:
+                continue
+            total = total - (surrogate * mask).sum() / mask.sum()
             n_tokens += int(mask.sum())
-    if n_tokens == 0:
+            n_samples += 1
+    if n_samples == 0:
         return None, 0, masked
-    return total / n_tokens, n_tokens, masked
+    return total / n_samples, n_tokens, masked
 
 
 async def train(args) -> dict:
