@@ -41,6 +41,8 @@ async def run(args) -> dict:
                 )
                 tokens = n = 0
                 async for s in client.stream():
+                    if not s.group_id.startswith(f"r{rnd}-"):
+                        continue  # an earlier round's sample (a new consumer sees what is retained)
                     n += 1
                     tokens += len(s.response_token_ids)
                     if n == args.groups * args.samples:
