@@ -5,20 +5,24 @@ policy versions, on real vLLM CPU engines.
     python -m load_tests.drafter_adaptation --report reports/drafter-adaptation          # ~6 min
     python -m load_tests.drafter_adaptation --quick --report reports/drafter-adaptation-quick
 
-Two engines serve the bundled tiny reasoner with the bundled drafter and
-speculate at every batch size (K=3, drafts sampled from the drafter). Each
-policy version:
+Two cores of one engine each serve the bundled tiny reasoner with the
+bundled drafter and speculate at every batch size (K=3, drafts sampled from
+the drafter). Each policy version:
 
-1. one rollout step: GRPO groups of tiny-reasoner problems, temperature 1.0,
-   placed on both engines by the service's core;
+1. one rollout step on each: the same GRPO groups of tiny-reasoner
+   problems, temperature 1.0;
 2. each engine's acceptance over the step is recorded (mean acceptance
    length: tokens per verify step of one request, bonus token included);
 3. the online trainer (`DrafterTrainer`, in its own process) trains one round
    on the samples of the newest two policy versions and pushes the drafter to
    the *adaptive* engine only; the *frozen* engine keeps the bundled drafter;
-4. the policy trains: a few optimizer steps of the target on its own
-   correct samples (rejection-sampling fine-tuning, the simplest RL-like
-   update), pushed to both engines with `RolloutCore.update_weights`.
+   the trainer sees the adaptive core's samples through its sample tap;
+4. the policy trains: a few optimizer steps of the target, pushed to both
+   cores with `RolloutCore.update_weights`. `--drift shifted` (default):
+   on shifted data, the step's reference solutions with ";" between lines,
+   a style the policy adopts over the versions (a stand-in for what RL
+   changes: systematic, and unknown to the bundled drafter); `--drift rft`:
+   on its own correct samples (rejection-sampling fine-tuning).
 
 Sampling is exact on both engines, so they serve the same policy; only the
 drafters differ. Writes DIR/drafter_adaptation.json and .png.
@@ -72,6 +76,37 @@ def _fine_tune(model, optimizer, examples, steps: int, batch_size: int, rng) -> 
     return float(np.mean(losses))
 
 
+async def _rollout(core, specs, tag: str) -> list:
+    core.submit(specs)
+    want = sum(s.num_samples for s in specs)
+    samples = []
+    async for entry in core.delivery.stream(tag):
+        core.delivery.ack(tag, entry.cursor)
+        if entry.sample.group_id.startswith(tag):
+            samples.append(entry.sample)
+            if len(samples) == want:
+                return samples
+    return samples
+
+
+def _spec_delta(monitor, before) -> dict:
+    steps = monitor.spec_steps - before[2]
+    drafted = monitor.draft_tokens - before[1]
+    accepted = monitor.accepted_tokens - before[0]
+    return {
+        "mean_acceptance_length": 1 + accepted / steps if steps else 1.0,
+        "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "acceptance_by_position": [(a - a0) / (d - d0) if d > d0 else 0.0 for a, a0, d, d0 in
+                                   zip(monitor.accepted_per_pos, before[3], monitor.drafted_per_pos, before[4])],
+        "draft_tokens": drafted,
+    }
+
+
+def _snapshot(monitor) -> tuple:
+    return (monitor.accepted_tokens, monitor.draft_tokens, monitor.spec_steps,
+            list(monitor.accepted_per_pos), list(monitor.drafted_per_pos))
+
+
 async def run(args) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
@@ -83,7 +118,7 @@ async def run(args) -> dict:
     from rollout_service.drafter import DrafterTrainer, TrainerConfig
     from rollout_service.engines.vllm import VllmEngine
     from rollout_service.scheduling import make_placement
-    from rollout_service.tasks import decode, generate_problems, prompt_token_ids, verify
+    from rollout_service.tasks import EOS_ID, decode, encode, generate_problems, prompt_token_ids, verify
 
     target = args.model or str(tiny_model_path())
     draft = args.draft or str(tiny_draft_path())
@@ -91,74 +126,68 @@ async def run(args) -> dict:
     torch.set_num_threads(1)
     rng = np.random.default_rng(args.seed)
     spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3, "schedule": [[1, 64, 3]]}
-    engines = [VllmEngine(name, target, max_seqs=64, max_model_len=1024, cpu_bind=str(i), seed=i, spec=spec)
-               for i, name in enumerate(("frozen", "adaptive"))]
-    core = RolloutCore(engines, make_placement("least-assigned"), Clock())
-    await core.start()
-    trainer = DrafterTrainer([engines[1]], TrainerConfig(steps_per_round=args.draft_steps, min_new_samples=10**9,
-                                                         versions_kept=2, seed=args.seed), draft, lambda: core.policy_version)
-    core.sample_taps.append(trainer.observe)
+    # One core (and one engine) per drafter, fed the same prompts: the engines
+    # serve the same policy and sample exactly from it, only the drafters differ.
+    cores = {}
+    for i, name in enumerate(("frozen", "adaptive")):
+        engine = VllmEngine(name, target, max_seqs=64, max_model_len=1024, cpu_bind=str(i), seed=i, spec=spec)
+        cores[name] = RolloutCore([engine], make_placement("least-assigned"), Clock())
+    await asyncio.gather(*(core.start() for core in cores.values()))
+    adaptive = cores["adaptive"]
+    trainer = DrafterTrainer(adaptive.engines.values(), TrainerConfig(steps_per_round=args.draft_steps, versions_kept=2,
+                                                                      seed=args.seed, min_new_samples=10**9),
+                             draft, lambda: adaptive.policy_version)
+    adaptive.sample_taps.append(trainer.observe)
     policy = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.policy_lr, weight_decay=0.0)
     versions = []
     problems = generate_problems(args.versions * args.groups, seed=args.seed + 1)
     try:
         for v in range(args.versions):
-            before = {e.engine_id: (e.spec_monitor.accepted_tokens, e.spec_monitor.draft_tokens, e.spec_monitor.spec_steps,
-                                    list(e.spec_monitor.accepted_per_pos), list(e.spec_monitor.drafted_per_pos))
-                      for e in engines}
             step = problems[v * args.groups:(v + 1) * args.groups]
-            specs = [GroupSpec(f"v{v}-g{i}", prompt_token_ids(p), args.samples,
-                               SamplingParams(max_tokens=args.max_tokens, temperature=1.0)) for i, p in enumerate(step)]
+            before = {name: _snapshot(next(iter(c.engines.values())).spec_monitor) for name, c in cores.items()}
             t0 = time.perf_counter()
-            core.submit(specs)
-            samples = []
-            consumer = f"adaptation-{v}"
-            async for entry in core.delivery.stream(consumer):
-                if entry.sample.group_id.startswith(f"v{v}-"):
-                    samples.append(entry.sample)
-                core.delivery.ack(consumer, entry.cursor)
-                if len(samples) == len(specs) * args.samples:
-                    break
+            results = await asyncio.gather(*(
+                _rollout(core, [GroupSpec(f"{name}-v{v}-g{i}", prompt_token_ids(p), args.samples,
+                                          SamplingParams(max_tokens=args.max_tokens, temperature=1.0))
+                                for i, p in enumerate(step)], f"{name}-v{v}-")
+                for name, core in cores.items()))
             rollout_s = time.perf_counter() - t0
-            record = {"policy_version": core.policy_version, "rollout_s": rollout_s,
-                      "tokens": sum(len(s.response_token_ids) for s in samples), "drafter_version": trainer.draft_version}
-            for e in engines:
-                m, b = e.spec_monitor, before[e.engine_id]
-                steps = m.spec_steps - b[2]
-                drafted = m.draft_tokens - b[1]
-                accepted = m.accepted_tokens - b[0]
-                record[e.engine_id] = {
-                    "mean_acceptance_length": 1 + accepted / steps if steps else 1.0,
-                    "acceptance_rate": accepted / drafted if drafted else 0.0,
-                    "acceptance_by_position": [(a - a0) / (d - d0) if d > d0 else 0.0 for a, a0, d, d0 in
-                                               zip(m.accepted_per_pos, b[3], m.drafted_per_pos, b[4])],
-                    "draft_tokens": drafted,
-                }
-            by_id = {f"v{v}-g{i}": p for i, p in enumerate(step)}
-            rewards = [verify(by_id[s.group_id], decode(s.response_token_ids)) for s in samples]
+            record = {"policy_version": adaptive.policy_version, "rollout_s": rollout_s,
+                      "drafter_version": trainer.draft_version}
+            for name, core in cores.items():
+                record[name] = _spec_delta(next(iter(core.engines.values())).spec_monitor, before[name])
+            samples = [s for batch in results for s in batch]
+            record["tokens"] = sum(len(s.response_token_ids) for s in samples)
+            rewards = [verify(step[int(s.group_id.rsplit("-g", 1)[1])], decode(s.response_token_ids)) for s in samples]
             record["reward_mean"] = float(np.mean(rewards))
-            print(f"policy v{core.policy_version}: acceptance length frozen {record['frozen']['mean_acceptance_length']:.2f}, "
-                  f"adaptive {record['adaptive']['mean_acceptance_length']:.2f} (drafter v{trainer.draft_version}); "
-                  f"reward {record['reward_mean']:.2f}; {record['tokens']} tokens in {rollout_s:.1f} s", flush=True)
+            print(f"policy v{record['policy_version']}: acceptance length frozen "
+                  f"{record['frozen']['mean_acceptance_length']:.2f}, adaptive {record['adaptive']['mean_acceptance_length']:.2f} "
+                  f"(drafter v{trainer.draft_version}); reward {record['reward_mean']:.2f}; "
+                  f"{record['tokens']} tokens in {rollout_s:.1f} s", flush=True)
             # The drafter learns the samples of the newest two policy versions.
             round_ = await trainer.train_once()
-            record["drafter_round"] = {k: round_[k] for k in ("loss_first", "loss_last", "agreement_before",
-                                                              "agreement_after", "seconds", "examples")}
-            # The policy trains on its own correct samples (all samples if none is correct).
-            good = [(s.prompt_token_ids, s.response_token_ids) for s, r in zip(samples, rewards) if r > 0]
-            examples = good if len(good) >= 4 else [(s.prompt_token_ids, s.response_token_ids) for s in samples]
+            record["drafter_round"] = {k: round_[k] for k in ("loss_first", "loss_last", "seconds", "examples")}
+            if args.drift == "shifted":
+                # The policy trains on the step's reference solutions written
+                # with ";" between lines: a style it adopts version by version.
+                examples = [(prompt_token_ids(p), encode(p.solution.replace("\n", ";")) + [EOS_ID]) for p in step]
+            else:
+                # The policy trains on its own correct samples (all of them if too few are correct).
+                good = [(s.prompt_token_ids, s.response_token_ids) for s, r in zip(samples, rewards) if r > 0]
+                examples = good if len(good) >= 8 else [(s.prompt_token_ids, s.response_token_ids) for s in samples]
             record["policy_loss"] = await asyncio.to_thread(_fine_tune, policy, optimizer, examples, args.policy_steps,
                                                             args.policy_batch, rng)
             record["policy_examples"] = len(examples)
-            await core.update_weights(core.policy_version + 1, _staged(_policy_state(policy)))
+            state = _policy_state(policy)
+            await asyncio.gather(*(core.update_weights(core.policy_version + 1, _staged(state)) for core in cores.values()))
             versions.append(record)
     finally:
         await trainer.stop()
-        await core.stop()
+        await asyncio.gather(*(core.stop() for core in cores.values()))
     return {
         "target": target, "draft": draft, "versions": versions,
-        "config": {k: getattr(args, k) for k in ("versions", "groups", "samples", "max_tokens", "draft_steps",
+        "config": {k: getattr(args, k) for k in ("drift", "versions", "groups", "samples", "max_tokens", "draft_steps",
                                                  "policy_steps", "policy_batch", "policy_lr", "seed")},
     }
 
@@ -188,19 +217,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="", help="target (policy) model directory (default: the bundled tiny reasoner)")
     p.add_argument("--draft", default="", help="initial drafter (default: the bundled drafter)")
     p.add_argument("--versions", type=int, default=8, help="policy versions to run")
-    p.add_argument("--groups", type=int, default=16, help="GRPO groups per rollout step")
+    p.add_argument("--groups", type=int, default=48, help="GRPO groups per rollout step")
     p.add_argument("--samples", type=int, default=4, help="samples per group")
-    p.add_argument("--max-tokens", type=int, default=400)
-    p.add_argument("--draft-steps", type=int, default=40, help="drafter optimizer steps per round")
+    p.add_argument("--max-tokens", type=int, default=300)
+    p.add_argument("--draft-steps", type=int, default=100, help="drafter optimizer steps per round")
+    p.add_argument("--drift", choices=["shifted", "rft"], default="shifted",
+                   help="how the policy trains: on shifted data (reference solutions with ';' between lines) "
+                        "or on its own correct samples (rejection-sampling fine-tuning)")
     p.add_argument("--policy-steps", type=int, default=12, help="policy optimizer steps per version")
     p.add_argument("--policy-batch", type=int, default=8)
-    p.add_argument("--policy-lr", type=float, default=1e-3)
+    p.add_argument("--policy-lr", type=float, default=2e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="4 versions of 8 groups")
     p.add_argument("--report", help="output directory")
     args = p.parse_args(argv)
     if args.quick:
-        args.versions, args.groups, args.max_tokens = min(args.versions, 4), min(args.groups, 8), min(args.max_tokens, 256)
+        args.versions, args.groups, args.max_tokens = min(args.versions, 3), min(args.groups, 16), min(args.max_tokens, 200)
     out = asyncio.run(run(args))
     out["command"] = "python -m load_tests.drafter_adaptation" + (" --quick" if args.quick else "")
     later = out["versions"][1:]

@@ -6,7 +6,9 @@ draft model and n-gram drafts, at every depth K.
     python -m load_tests.spec_routes --quick                              # ~2 min
 
 Measured on real vLLM CPU engines (one core each) with the bundled tiny
-reasoner and its drafter, on tiny-reasoner prompts at temperature 1.0:
+reasoner and its drafter, on tiny-reasoner prompts at temperature 1.0. The
+machine is shared, so every figure is a median over rounds measured in
+alternation (shuffled order), and K = 0 on the same engine is the baseline:
 
 - step cost: seconds per decode step of a single sequence, for the target
   and for the drafter served alone; their ratio is what a draft step costs
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import time
 import uuid
 from pathlib import Path
@@ -71,66 +74,102 @@ async def decode_rate(engine, batch_prompts: list[list[int]], max_tokens: int, t
 
 
 async def measure(args) -> dict:
+    import random
+
     from rollout_service.assets import tiny_draft_path, tiny_model_path
 
     target = args.model or str(tiny_model_path())
     draft = args.draft or str(tiny_draft_path())
     ps = prompts(64, args.seed)
-    batches = {1: [ps[:1], ps[1:2], ps[2:3]] if not args.quick else [ps[:1]], 4: [ps[4:8]] if args.quick else [ps[4:8], ps[8:12]]}
+    rounds = 1 if args.quick else args.rounds
     max_tokens = 96 if args.quick else 192
-    out: dict = {"target": target, "draft": draft, "max_tokens": max_tokens, "temperature": 1.0, "routes": {}}
+    batches = {1: 1, 4: 4}
+    rng = random.Random(args.seed)
+    out: dict = {"target": target, "draft": draft, "max_tokens": max_tokens, "temperature": 1.0, "rounds": rounds,
+                 "routes": {}}
+    common = dict(max_seqs=16, max_model_len=1024)
 
-    async def run_route(name: str, engine: VllmEngine, ks: list[int]) -> None:
+    # Step costs: the target and the drafter served alone, one core each,
+    # measured in alternation so that load from elsewhere hits both alike.
+    # Both on core 0, one measuring at a time; the plain target stays up as
+    # the no-speculation baseline of every route.
+    plain = VllmEngine("target", target, cpu_bind="0", **common)
+    alone = {"target": plain, "draft": VllmEngine("draft", draft, cpu_bind="0", **common)}
+    for engine in alone.values():
         await engine.start()
+    try:
+        rates = {name: [] for name in alone}
+        for r in range(rounds + 2):
+            for name, engine in alone.items():
+                result = await decode_rate(engine, [ps[r % 8]], max_tokens)
+                if r >= 1:  # the first round warms up
+                    rates[name].append(result["tokens_per_s"])
+    finally:
+        await alone["draft"].close()
+    median = {name: statistics.median(v) for name, v in rates.items()}
+    out["step_seconds_target"] = 1 / median["target"]
+    out["step_seconds_draft"] = 1 / median["draft"]
+    out["draft_cost_ratio"] = median["target"] / median["draft"]
+    print(f"  step: target {1e3 / median['target']:.2f} ms, drafter {1e3 / median['draft']:.2f} ms, "
+          f"ratio {out['draft_cost_ratio']:.2f}", flush=True)
+
+    # Routes: one engine each; K = 0 to 4, switched at run time through the
+    # depth schedule, and the plain engine ("off"), in shuffled order,
+    # `rounds` times. K = 0 is not "off" for a draft model: vLLM still runs
+    # one drafter forward per step to keep the drafter's KV cache in sync.
+    kmax = 4
+    routes = {
+        "draft_model": {"method": "draft_model", "model": draft},
+        "draft_greedy": {"method": "draft_model", "model": draft, "draft_sample_method": "greedy"},
+        "ngram": {"method": "ngram"},
+    }
+    for name, spec in routes.items():
+        engine = VllmEngine(name, target, cpu_bind="0", **common,
+                            spec=dict(spec, num_speculative_tokens=kmax, schedule=[[1, 16, kmax]]))
+        await engine.start()
+        samples: dict[tuple[int, int], list[dict]] = {}
         try:
             await decode_rate(engine, ps[60:61], 16)  # warm-up
-            rows = []
-            for k in ks:
-                if engine.spec.enabled:
-                    await engine.set_spec_schedule([[1, engine.max_seqs, k]])
-                for batch, groups in batches.items():
-                    runs = [await decode_rate(engine, g, max_tokens) for g in groups]
-                    tokens = sum(r["tokens"] for r in runs)
-                    seconds = sum(r["seconds"] for r in runs)
-                    drafted = sum(r["draft_tokens"] for r in runs)
-                    accepted = sum(r["accepted_tokens"] for r in runs)
-                    row = {"k": k, "batch": batch, "tokens_per_s": tokens / seconds, "tokens": tokens,
-                           "draft_tokens": drafted, "accepted_tokens": accepted,
-                           "acceptance_rate": accepted / drafted if drafted else None,
-                           "mean_acceptance_length": sum(r["mean_acceptance_length"] for r in runs) / len(runs),
-                           "acceptance_by_position": runs[-1]["acceptance_by_position"]}
-                    rows.append(row)
-                    print(f"  {name:<12} K={k} batch {batch}: {row['tokens_per_s']:7.1f} tokens/s"
-                          + (f", acceptance {row['acceptance_rate']:.2f}, length {row['mean_acceptance_length']:.2f}"
-                             if drafted else ""), flush=True)
-            out["routes"][name] = rows
+            for r in range(rounds):
+                plan = [(k, b) for k in range(-1, kmax + 1) for b in batches]  # k = -1: the plain engine
+                rng.shuffle(plan)
+                for k, batch in plan:
+                    first = (r * 4 + max(k, 0)) % 48
+                    if k < 0:
+                        result = await decode_rate(plain, ps[first:first + batch], max_tokens)
+                    else:
+                        await engine.set_spec_schedule([[1, 16, k]])
+                        result = await decode_rate(engine, ps[first:first + batch], max_tokens)
+                    samples.setdefault((k, batch), []).append(result)
         finally:
             await engine.close()
+        rows = []
+        for (k, batch), runs in sorted(samples.items()):
+            drafted = sum(x["draft_tokens"] for x in runs)
+            accepted = sum(x["accepted_tokens"] for x in runs)
+            per_pos = [statistics.mean(x["acceptance_by_position"][i] for x in runs if x["acceptance_by_position"][i] is not None)
+                       if any(x["acceptance_by_position"][i] is not None for x in runs) else None for i in range(kmax)]
+            row = {"k": k, "batch": batch, "tokens_per_s": statistics.median(x["tokens_per_s"] for x in runs),
+                   "draft_tokens": drafted, "accepted_tokens": accepted,
+                   "acceptance_rate": accepted / drafted if drafted else None,
+                   "mean_acceptance_length": statistics.mean(x["mean_acceptance_length"] for x in runs),
+                   "acceptance_by_position": per_pos[:k]}
+            rows.append(row)
+            print(f"  {name:<12} {'off' if k < 0 else f'K={k}'} batch {batch}: {row['tokens_per_s']:7.1f} tokens/s"
+                  + (f", acceptance {row['acceptance_rate']:.2f}, length {row['mean_acceptance_length']:.2f}, "
+                     f"by position {[round(x, 2) for x in row['acceptance_by_position'] if x is not None]}" if drafted else ""),
+                  flush=True)
+        out["routes"][name] = rows
+    await plain.close()
 
-    kmax = 4
-    ks = [1, 2, 3, 4] if not args.quick else [2, 4]
-    common = dict(max_seqs=16, max_model_len=1024, cpu_bind="0")
-    await run_route("off", VllmEngine("off", target, **common), [0])
-    await run_route("draft-alone", VllmEngine("draft", draft, **common), [0])
-    await run_route("draft_model", VllmEngine("dm", target, **common, spec={
-        "method": "draft_model", "model": draft, "num_speculative_tokens": kmax, "schedule": [[1, 16, kmax]]}), ks)
-    await run_route("draft_greedy", VllmEngine("dg", target, **common, spec={
-        "method": "draft_model", "model": draft, "num_speculative_tokens": kmax, "schedule": [[1, 16, kmax]],
-        "draft_sample_method": "greedy"}), ks)
-    await run_route("ngram", VllmEngine("ng", target, **common, spec={
-        "method": "ngram", "num_speculative_tokens": kmax, "schedule": [[1, 16, kmax]]}), ks)
-
-    off1 = next(r for r in out["routes"]["off"] if r["batch"] == 1)["tokens_per_s"]
-    draft1 = next(r for r in out["routes"]["draft-alone"] if r["batch"] == 1)["tokens_per_s"]
-    out["step_seconds_target"] = 1 / off1
-    out["step_seconds_draft"] = 1 / draft1
-    out["draft_cost_ratio"] = off1 / draft1
     out["best"] = {}
-    for batch in batches:
-        base = next(r for r in out["routes"]["off"] if r["batch"] == batch)["tokens_per_s"]
-        for route in ("draft_model", "draft_greedy", "ngram"):
-            best = max((r for r in out["routes"][route] if r["batch"] == batch), key=lambda r: r["tokens_per_s"])
-            out["best"][f"{route}@{batch}"] = {"k": best["k"], "speedup": best["tokens_per_s"] / base}
+    for route, rows in out["routes"].items():
+        for batch in batches:
+            base = next(r for r in rows if r["batch"] == batch and r["k"] < 0)["tokens_per_s"]
+            best = max((r for r in rows if r["batch"] == batch and r["k"] > 0), key=lambda r: r["tokens_per_s"])
+            out["best"][f"{route}@{batch}"] = {"k": best["k"], "speedup": best["tokens_per_s"] / base,
+                                               "mean_acceptance_length": best["mean_acceptance_length"], "off_tokens_per_s": base,
+                                               "tokens_per_s": best["tokens_per_s"]}
     return out
 
 
@@ -142,11 +181,12 @@ def plot(out: dict, path: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, batch in zip(axes, (1, 4)):
-        base = next(r for r in out["routes"]["off"] if r["batch"] == batch)["tokens_per_s"]
-        ax.axhline(base, color="k", ls="--", label="no speculation")
-        for route in ("draft_model", "draft_greedy", "ngram"):
-            rows = [r for r in out["routes"][route] if r["batch"] == batch]
-            ax.plot([r["k"] for r in rows], [r["tokens_per_s"] for r in rows], "o-", label=route)
+        for i, (route, rows) in enumerate(out["routes"].items()):
+            off = next(r for r in rows if r["batch"] == batch and r["k"] < 0)["tokens_per_s"]
+            ax.axhline(off, color=f"C{i}", ls=":", lw=1)
+            rows = [r for r in rows if r["batch"] == batch and r["k"] >= 0]
+            ax.plot([r["k"] for r in rows], [r["tokens_per_s"] for r in rows], "o-", color=f"C{i}",
+                    label=f"{route} (dotted: plain engine, same rounds)")
         ax.set_xlabel("draft tokens per step (K)")
         ax.set_ylabel("tokens/s")
         ax.set_title(f"batch {batch}")
@@ -162,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="", help="target model directory (default: the bundled tiny reasoner)")
     p.add_argument("--draft", default="", help="draft model directory (default: the bundled drafter)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=3, help="measurements of every (K, batch), in shuffled order")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--report", help="output directory")
     args = p.parse_args(argv)

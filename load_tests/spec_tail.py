@@ -6,9 +6,9 @@ n-gram drafts, and with drafts from sibling responses.
     python -m load_tests.spec_tail --quick --report reports/spec-tail-quick
 
 Each route gets a fresh fleet (2 engines, one core each, the bundled tiny
-reasoner) and runs the same tiny-reasoner GRPO steps: one warm-up step (its
-samples train the adaptive drafter, one round pushed before the measured
-steps), then the measured steps. Speculation runs only in the tail: K=3
+reasoner) and runs the same tiny-reasoner GRPO steps: warm-up steps (their
+samples, 256 by default, train the adaptive drafter: one round pushed before
+the measured steps), then the measured steps. Speculation runs only in the tail: K=3
 while an engine runs at most 4 sequences, none above (`--tune` lets the
 depth tuner choose instead).
 
@@ -108,14 +108,14 @@ async def run_route(name: str, args, workload) -> dict:
         for s, groups in enumerate(workload.steps):
             step = _Step(groups, workload.max_tokens)
             result = await run_step(core, step, f"{name}-s{s}", 4)
-            result["warm_up"] = s == 0
+            result["warm_up"] = s < args.warmup_steps
             status = runtime.status()["engines"]
             result["mean_acceptance_length"] = {eid: st.get("mean_acceptance_length") for eid, st in status.items()}
             steps.append(result)
-            print(f"  [{name}] step {s}{' (warm-up)' if s == 0 else ''}: makespan {result['makespan_s']:.1f} s, "
+            print(f"  [{name}] step {s}{' (warm-up)' if result['warm_up'] else ''}: makespan {result['makespan_s']:.1f} s, "
                   f"{result['tokens_per_s']:.0f} tokens/s; tail {result['tail_s']:.1f} s at "
                   f"{result['tail_tokens_per_s']:.0f} tokens/s", flush=True)
-            if s == 0 and runtime.trainer is not None:
+            if s == args.warmup_steps - 1 and runtime.trainer is not None:
                 record = await runtime.trainer.train_once()
                 print(f"  [{name}] drafter trained on {record['examples']} samples: agreement "
                       f"{record['agreement_before']:.2f} -> {record['agreement_after']:.2f}", flush=True)
@@ -162,7 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft", default="", help="draft model directory (default: the bundled drafter)")
     p.add_argument("--engines", type=int, default=2)
     p.add_argument("--max-seqs", type=int, default=64)
-    p.add_argument("--steps", type=int, default=3, help="steps per route, the first a warm-up")
+    p.add_argument("--steps", type=int, default=4, help="steps per route, warm-up steps included")
+    p.add_argument("--warmup-steps", type=int, default=2,
+                   help="steps before the measured ones; their samples train the adaptive drafter")
     p.add_argument("--groups", type=int, default=16)
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--draft-steps", type=int, default=60, help="optimizer steps of the adaptive drafter's round")
@@ -172,11 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--report", help="output directory")
     args = p.parse_args(argv)
     if args.quick:
-        args.steps, args.groups, args.samples = 2, min(args.groups, 8), min(args.samples, 4)
+        args.steps, args.warmup_steps, args.groups, args.samples = 2, 1, min(args.groups, 8), min(args.samples, 4)
     workload = generate(args.steps, args.groups, seed=args.seed, samples_per_group=args.samples)
     out = {"command": "python -m load_tests.spec_tail " + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
            "engines": args.engines, "max_seqs": args.max_seqs, "steps": args.steps, "groups": args.groups,
-           "samples": args.samples, "max_tokens": workload.max_tokens, "tail_schedule": TAIL, "tune": args.tune,
+           "samples": args.samples, "warmup_steps": args.warmup_steps, "max_tokens": workload.max_tokens, "tail_schedule": TAIL, "tune": args.tune,
            "routes": {}}
     for name in [r.strip() for r in args.routes.split(",") if r.strip()]:
         out["routes"][name] = asyncio.run(run_route(name, args, workload))

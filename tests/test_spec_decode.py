@@ -125,19 +125,20 @@ async def assert_same_distribution(spec, plain, label: str) -> None:
 
 
 async def test_speculative_sampling_matches_plain_sampling(spec_engine, plain_engine):
-    """Drafts sampled from the drafter (the default): rejection sampling
-    with the drafter's probabilities."""
+    """Argmax drafts (the default; also the n-gram and sibling paths):
+    drafts treated as one-hot by the rejection sampler."""
     await spec_engine.set_spec_schedule(ALWAYS)
-    await assert_same_distribution(spec_engine, plain_engine, "speculative (sampled drafts)")
+    await assert_same_distribution(spec_engine, plain_engine, "speculative (greedy drafts)")
 
 
-async def test_greedy_drafts_match_plain_sampling(plain_engine):
-    """Argmax drafts (also the n-gram path): drafts treated as one-hot."""
-    engine = VllmEngine("greedy-drafts", MODEL, max_seqs=MAX_SEQS, max_model_len=1024, cpu_bind="0", seed=3,
-                        spec=spec_cfg(draft_sample_method="greedy"))
+async def test_sampled_drafts_match_plain_sampling(plain_engine):
+    """Drafts sampled from the drafter: rejection sampling with the
+    drafter's probabilities and recovery from the residual distribution."""
+    engine = VllmEngine("sampled-drafts", MODEL, max_seqs=MAX_SEQS, max_model_len=1024, cpu_bind="0", seed=3,
+                        spec=spec_cfg(draft_sample_method="probabilistic"))
     await engine.start()
     try:
-        await assert_same_distribution(engine, plain_engine, "speculative (greedy drafts)")
+        await assert_same_distribution(engine, plain_engine, "speculative (sampled drafts)")
     finally:
         await engine.close()
 
@@ -241,27 +242,69 @@ async def greedy_acceptance(engine, prompts, max_tokens=200) -> float:
     return sum(a for [(_, _, a)] in done) / sum(d for [(_, d, _)] in done)
 
 
-@pytest.mark.xfail(strict=False, reason="the adaptation margin is flaky on a shared 2-core machine "
-                   "(a clean-clone run measured 0.443 against the required 0.430 + 0.02); being reworked")
-async def test_online_drafter_catches_up_with_a_new_policy(spec_service, spec_engine):
-    """A policy update leaves the bundled drafter predicting the old policy;
-    one round of online training on ~400 samples of the new policy (in the
-    trainer's background process, pushed through the draft-weight path)
-    makes its drafts accepted more often than the frozen drafter's, on
-    prompts it has not seen (greedy continuations: no sampling noise)."""
+def swapped(state: dict, a: int, b: int) -> dict:
+    """`state` with the embedding rows of tokens a and b exchanged: with
+    tied embeddings, the same model writing a and b the other way round."""
+    out = dict(state)
+    embed = state["model.embed_tokens.weight"].clone()
+    embed[[a, b]] = embed[[b, a]]
+    out["model.embed_tokens.weight"] = embed
+    return out
+
+
+async def test_draft_reload_keeps_tied_embeddings_consistent(spec_service, spec_engine):
+    """Swap two tokens in the policy and in the drafter: if both reloads
+    reach every user of the tied embedding (the CPU backend keeps a repacked
+    copy of the lm_head), the pair agrees exactly as the original pair does
+    on the relabelled prompts."""
     from safetensors.torch import load_file
+
+    from rollout_service.tasks import encode
+
+    core = spec_service.core
+    target = load_file(os.path.join(MODEL, "model.safetensors"))
+    draft = load_file(os.path.join(draft_model(), "model.safetensors"))
+    [three], [seven] = encode("3"), encode("7")
+    await spec_engine.set_spec_schedule(ALWAYS)
+    prompts = problem_prompts(16, seed=303)
+    # The swapped pair on a prompt is the original pair on the prompt with 3 and 7 exchanged.
+    relabelled = [[{three: seven, seven: three}.get(t, t) for t in p] for p in prompts]
+    before = await greedy_acceptance(spec_engine, relabelled)
+    version = spec_engine.spec_status()["draft_version"]
+    await core.update_weights(core.policy_version + 1, staged(swapped(target, three, seven)))
+    await spec_engine.update_draft_weights(version + 1, staged(swapped(draft, three, seven)))
+    try:
+        both_swapped = await greedy_acceptance(spec_engine, prompts)
+    finally:
+        await core.update_weights(core.policy_version + 1, staged(target))
+        await spec_engine.update_draft_weights(version + 2, staged(draft))
+    assert both_swapped == pytest.approx(before, abs=1e-9)
+
+
+async def test_online_drafter_catches_up_with_a_new_policy(spec_service, spec_engine):
+    """A policy update the bundled drafter cannot know: the new policy writes
+    the digits 3 and 7 the other way round (their embedding rows, tied to
+    the output head, swapped). One round of online training on ~400 samples
+    of the new policy (in the trainer's background process, pushed through
+    the draft-weight path) makes the drafter's drafts accepted more often
+    than the frozen drafter's, on prompts it has not seen (greedy
+    continuations: no sampling noise in the measurement)."""
+    from safetensors.torch import load_file
+
+    from rollout_service.tasks import encode
 
     core = spec_service.core
     original = load_file(os.path.join(MODEL, "model.safetensors"))
-    g = torch.Generator().manual_seed(1)
-    shifted = {k: v + 0.2 * v.std() * torch.randn(v.shape, generator=g) if v.ndim == 2 else v for k, v in original.items()}
+    [three], [seven] = encode("3"), encode("7")
+    shifted = swapped(original, three, seven)
     await spec_engine.set_spec_schedule(ALWAYS)
+    held_out = problem_prompts(32, seed=202)
+    before_update = await greedy_acceptance(spec_engine, held_out)
     await core.update_weights(core.policy_version + 1, staged(shifted))
     trainer = DrafterTrainer([spec_engine], TrainerConfig(), draft_model(), lambda: core.policy_version)
     try:
         # Many distinct prompts: fitted to a few problems, a one-layer drafter memorises them.
         train = problem_prompts(128, seed=101)
-        held_out = problem_prompts(32, seed=202)
         frozen = await greedy_acceptance(spec_engine, held_out)
         done = await asyncio.gather(*(sample(spec_engine, p, 3, max_tokens=200, top_p=1.0, concurrency=3) for p in train))
         trainer.add_examples(core.policy_version, [(p, list(ids)) for p, group in zip(train, done) for ids, _, _ in group])
@@ -272,10 +315,12 @@ async def test_online_drafter_catches_up_with_a_new_policy(spec_service, spec_en
         await core.update_weights(core.policy_version + 1, staged(original))
         await spec_engine.update_draft_weights(spec_engine.spec_status()["draft_version"] + 1,
                                                staged(load_file(os.path.join(draft_model(), "model.safetensors"))))
-    print(f"greedy acceptance on held-out prompts of the new policy: frozen {frozen:.3f}, trained {trained:.3f}; "
-          f"round: {record['examples']} samples, {record['seconds']:.1f} s")
+    print(f"greedy acceptance on held-out prompts: {before_update:.3f} before the policy update, "
+          f"{frozen:.3f} after it with the frozen drafter, {trained:.3f} after one round of online training "
+          f"({record['examples']} samples, {record['seconds']:.1f} s)")
     assert spec_engine.spec_status()["draft_version"] >= 2
-    assert trained > frozen + 0.02
+    assert frozen < before_update - 0.05  # the update hurts the frozen drafter...
+    assert trained > frozen + 0.05  # ...and the online drafter wins much of it back
 
 
 async def test_spec_runtime_reports_engines_and_tunes(spec_service, spec_engine):

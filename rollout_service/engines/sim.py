@@ -44,7 +44,9 @@ draft step costing `spec_draft_cost` target steps, one verify step lasts
     draft  = K * spec_draft_cost * (decode_base_s + decode_per_seq_s * n)
 
 and yields L(K) = 1 + sum_i prod_{j<=i} a_j tokens per sequence, so the
-engine emits one token per sequence every (verify + draft) / L seconds.
+engine emits one token per sequence every (verify + draft) / L seconds. A
+draft model costs one draft step even at K = 0 (vLLM keeps its KV cache in
+step); model-free drafts cost `spec_ngram_draft_cost`.
 `spec_acceptance_drift` shrinks every a_i by that fraction per policy
 version the drafter is behind (a frozen drafter against a moving policy);
 `update_draft_weights` brings it up to the serving version. Per-sample
@@ -397,11 +399,19 @@ class SimEngine:
         if n > 1:
             # Step i starts with ctx0 + (i-1)n tokens; it is preempted if that plus n exceeds the cache.
             steps = min(steps, max(1, (p.kv_capacity_tokens - ctx0) // n))
+        if self.spec_monitor.cfg.enabled:
+            # Short runs: the depth tuner learns from each run's measurements
+            # and must not wait for a whole tail to see one.
+            steps = min(steps, 32)
         # With speculation a step of the run is one token per sequence: a
         # verify step (plus its drafts) divided by the tokens it yields.
         per_step_s = p.decode_base_s + p.decode_per_seq_s * n
         k = self.spec_monitor.k_for(n) if self.spec_monitor.cfg.enabled else 0
         length, profile = 1.0, []
+        if k == 0 and p.spec_method == "draft_model":
+            # vLLM runs the drafter once per step even at K = 0 (its KV cache
+            # must follow the accepted tokens).
+            per_step_s *= 1 + p.spec_draft_cost
         if k > 0:
             profile = p.acceptance_profile(k, self._version - self._draft_policy_version)
             length = 1.0 + sum(profile)

@@ -77,10 +77,11 @@ class SpecConfig:
 
     method: str = "off"  # off | draft_model | ngram | siblings
     model: str = ""  # draft model directory; "" means the bundled drafter
-    # "probabilistic": drafts are sampled from the drafter (acceptance
-    # 1 - TV(target, draft), near 1 for a well-trained drafter at any
-    # temperature); "greedy": its argmax (acceptance = target prob of it).
-    draft_sample_method: str = "probabilistic"
+    # "greedy": the drafter's argmax (accepted with the target's probability
+    # of it); "probabilistic": sampled from the drafter (accepted with
+    # probability 1 - TV(target, drafter): better once the drafter matches
+    # the target's whole distribution, worse while it is less confident).
+    draft_sample_method: str = "greedy"
     num_speculative_tokens: int = 4  # the largest K any batch size may use
     schedule: list[list[int]] = field(default_factory=lambda: [list(e) for e in DEFAULT_SCHEDULE])
     prompt_lookup_min: int = 2  # ngram: shortest suffix to match (tokens)

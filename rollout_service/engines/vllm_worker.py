@@ -69,9 +69,14 @@ class RolloutWorkerExtension:
         model = getattr(drafter, "model", None)
         if model is None:
             raise RuntimeError("this engine has no draft model")
+        tied = _tied_modules(model)  # the drafter's lm_head shares its embedding too
         items = list(_iter_safetensors(path))
         reload_weights(self.vllm_config, model, weights_iterator=iter(items), weights_path=None,
                        is_checkpoint_format=True)
+        for module in tied:
+            method = getattr(module, "quant_method", None)
+            if method is not None and hasattr(method, "process_weights_after_loading"):
+                method.process_weights_after_loading(module)
         return len(items)
 
     def rollout_attach_sibling_drafter(self) -> bool:
