@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import logging
 import multiprocessing
 import os
@@ -37,6 +36,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
+from rollout_service.engines.spec import from_table
 from rollout_service.core.types import FinishReason, Sample
 from rollout_service.core.weights import StagedWeights, read_safetensors, split_and_verify
 
@@ -62,12 +62,7 @@ class TrainerConfig:
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any] | None) -> "TrainerConfig":
-        values = dict(values or {})
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(values) - known
-        if unknown:
-            raise ValueError(f"engine.spec.trainer: unknown keys {sorted(unknown)}; known: {sorted(known)}")
-        cfg = cls(**values)
+        cfg = from_table(cls, values, "engine.spec.trainer")
         if cfg.lr <= 0 or cfg.steps_per_round < 1 or cfg.batch_size < 1 or cfg.min_new_samples < 1 or cfg.versions_kept < 1:
             raise ValueError("engine.spec.trainer: lr, steps_per_round, batch_size, min_new_samples and versions_kept must be positive")
         return cfg

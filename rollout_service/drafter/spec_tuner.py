@@ -18,14 +18,13 @@ drives one tuner per engine.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import random
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
-from rollout_service.engines.spec import StepObservation
+from rollout_service.engines.spec import StepObservation, from_table
 
 log = logging.getLogger(__name__)
 
@@ -47,12 +46,7 @@ class TunerConfig:
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any] | None) -> "TunerConfig":
-        values = dict(values or {})
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(values) - known
-        if unknown:
-            raise ValueError(f"engine.spec.tuner: unknown keys {sorted(unknown)}; known: {sorted(known)}")
-        cfg = cls(**values)
+        cfg = from_table(cls, values, "engine.spec.tuner")
         if not 0.0 <= cfg.epsilon <= 1.0:
             raise ValueError(f"engine.spec.tuner.epsilon must be in [0, 1], got {cfg.epsilon}")
         if cfg.window < 1 or cfg.min_observations < 1 or cfg.interval_s <= 0:

@@ -29,6 +29,16 @@ SIBLING_PROPOSER = "rollout_service.engines.vllm_siblings.SiblingProposer"
 DEFAULT_SCHEDULE = ((1, 4, 4), (5, 16, 2), (17, 1 << 16, 0))
 
 
+def from_table(cls, values: Mapping[str, Any] | None, where: str):
+    """`cls(**values)`, naming unknown keys (a config table `where`) in the error."""
+    values = dict(values or {})
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(values) - known
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {sorted(unknown)}; known: {sorted(known)}")
+    return cls(**values)
+
+
 def normalize_schedule(schedule: Sequence[Sequence[int]], max_seqs: int, max_k: int) -> list[tuple[int, int, int]]:
     """Validate a depth schedule and clip it to [1, max_seqs] and K <= max_k.
 
@@ -93,12 +103,7 @@ class SpecConfig:
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any] | None) -> "SpecConfig":
-        values = dict(values or {})
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(values) - known
-        if unknown:
-            raise ValueError(f"engine.spec: unknown keys {sorted(unknown)}; known: {sorted(known)}")
-        cfg = cls(**values)
+        cfg = from_table(cls, values, "engine.spec")
         cfg.validate()
         return cfg
 
