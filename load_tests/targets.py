@@ -213,10 +213,6 @@ async def grpc_fleet(spec: FleetSpec, keep_tokens: bool = False) -> AsyncIterato
     cfg = spec.service_config()
     service = RolloutService(cfg)
     await service.start()
-    drafter = None
-    if getattr(service, "spec_runtime", None) is None:  # until the service starts it itself
-        drafter = SpecRuntime(service.core, SpecConfig.from_dict(cfg.engine.spec))
-        await drafter.start()
     try:
         info = model_info(cfg.engine)
         weights_file = None
@@ -229,6 +225,4 @@ async def grpc_fleet(spec: FleetSpec, keep_tokens: bool = False) -> AsyncIterato
             await client.wait_ready()
             yield Fleet(GrpcTarget(client, weights_file, keep_tokens), service.core, info.vocab_size, info.max_model_len)
     finally:
-        if drafter is not None:
-            await drafter.stop()
         await service.stop()

@@ -275,7 +275,7 @@ class EngineStatus(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., kind: _Optional[str] = ..., state: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., policy_version: _Optional[int] = ..., assigned: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("policy_version", "engines", "queued_requests", "running_requests", "open_groups", "last_cursor", "retained_samples", "scheduler", "counters", "uptime_s", "model")
+    __slots__ = ("policy_version", "engines", "queued_requests", "running_requests", "open_groups", "last_cursor", "retained_samples", "scheduler", "counters", "uptime_s", "model", "spec")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -294,6 +294,7 @@ class StatusResponse(_message.Message):
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
     policy_version: int
     engines: _containers.RepeatedCompositeFieldContainer[EngineStatus]
     queued_requests: int
@@ -305,4 +306,81 @@ class StatusResponse(_message.Message):
     counters: _containers.ScalarMap[str, float]
     uptime_s: float
     model: str
-    def __init__(self, policy_version: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ..., queued_requests: _Optional[int] = ..., running_requests: _Optional[int] = ..., open_groups: _Optional[int] = ..., last_cursor: _Optional[int] = ..., retained_samples: _Optional[int] = ..., scheduler: _Optional[str] = ..., counters: _Optional[_Mapping[str, float]] = ..., uptime_s: _Optional[float] = ..., model: _Optional[str] = ...) -> None: ...
+    spec: SpecStatus
+    def __init__(self, policy_version: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ..., queued_requests: _Optional[int] = ..., running_requests: _Optional[int] = ..., open_groups: _Optional[int] = ..., last_cursor: _Optional[int] = ..., retained_samples: _Optional[int] = ..., scheduler: _Optional[str] = ..., counters: _Optional[_Mapping[str, float]] = ..., uptime_s: _Optional[float] = ..., model: _Optional[str] = ..., spec: _Optional[_Union[SpecStatus, _Mapping]] = ...) -> None: ...
+
+class SpecDepthBucket(_message.Message):
+    __slots__ = ("min_batch", "max_batch", "num_speculative_tokens", "best_k", "tokens_per_s_per_seq", "observations")
+    class TokensPerSPerSeqEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
+    class ObservationsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
+    MIN_BATCH_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BEST_K_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_S_PER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    OBSERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    min_batch: int
+    max_batch: int
+    num_speculative_tokens: int
+    best_k: int
+    tokens_per_s_per_seq: _containers.ScalarMap[int, float]
+    observations: _containers.ScalarMap[int, int]
+    def __init__(self, min_batch: _Optional[int] = ..., max_batch: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., best_k: _Optional[int] = ..., tokens_per_s_per_seq: _Optional[_Mapping[int, float]] = ..., observations: _Optional[_Mapping[int, int]] = ...) -> None: ...
+
+class SpecEngineStatus(_message.Message):
+    __slots__ = ("engine_id", "method", "max_k", "draft_version", "steps", "draft_tokens", "accepted_tokens", "mean_acceptance_length", "acceptance_by_position", "buckets", "tuner_decisions", "tuner_explorations")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    MAX_K_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_ACCEPTANCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_BY_POSITION_FIELD_NUMBER: _ClassVar[int]
+    BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    TUNER_DECISIONS_FIELD_NUMBER: _ClassVar[int]
+    TUNER_EXPLORATIONS_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    method: str
+    max_k: int
+    draft_version: int
+    steps: int
+    draft_tokens: int
+    accepted_tokens: int
+    mean_acceptance_length: float
+    acceptance_by_position: _containers.RepeatedScalarFieldContainer[float]
+    buckets: _containers.RepeatedCompositeFieldContainer[SpecDepthBucket]
+    tuner_decisions: int
+    tuner_explorations: int
+    def __init__(self, engine_id: _Optional[str] = ..., method: _Optional[str] = ..., max_k: _Optional[int] = ..., draft_version: _Optional[int] = ..., steps: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., mean_acceptance_length: _Optional[float] = ..., acceptance_by_position: _Optional[_Iterable[float]] = ..., buckets: _Optional[_Iterable[_Union[SpecDepthBucket, _Mapping]]] = ..., tuner_decisions: _Optional[int] = ..., tuner_explorations: _Optional[int] = ...) -> None: ...
+
+class SpecStatus(_message.Message):
+    __slots__ = ("method", "tune", "train", "draft_version", "trained_on_policy_version", "trainer_rounds", "engines")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    TUNE_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TRAINED_ON_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    tune: bool
+    train: bool
+    draft_version: int
+    trained_on_policy_version: int
+    trainer_rounds: int
+    engines: _containers.RepeatedCompositeFieldContainer[SpecEngineStatus]
+    def __init__(self, method: _Optional[str] = ..., tune: _Optional[bool] = ..., train: _Optional[bool] = ..., draft_version: _Optional[int] = ..., trained_on_policy_version: _Optional[int] = ..., trainer_rounds: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[SpecEngineStatus, _Mapping]]] = ...) -> None: ...

@@ -21,7 +21,9 @@ from rollout_service.api.validation import ModelLimits
 from rollout_service.config import ServiceConfig
 from rollout_service.core.clock import Clock
 from rollout_service.core.rollout import CoreLimits, RolloutCore
+from rollout_service.drafter.runtime import SpecRuntime
 from rollout_service.engines.factory import load_tokenizer, make_engines, model_info
+from rollout_service.engines.spec import SpecConfig
 from rollout_service.scheduling import make_placement
 
 log = logging.getLogger("rollout_service")
@@ -35,6 +37,7 @@ class RolloutService:
     def __init__(self, config: ServiceConfig) -> None:
         self.config = config
         self.core: RolloutCore | None = None
+        self.spec_runtime: SpecRuntime | None = None
         self.grpc_port = 0
         self.http_port = 0
         self._grpc: grpc.aio.Server | None = None
@@ -58,6 +61,10 @@ class RolloutService:
             log.info("resumed from the checkpoint in %s: %d open groups, version %d",
                      cfg.state_dir, len(self.core.groups), self.core.policy_version)
         await self.core.start()
+        spec = SpecConfig.from_dict(cfg.engine.spec)
+        if spec.enabled:  # depth tuner and online drafter trainer, per [engine.spec]
+            self.spec_runtime = SpecRuntime(self.core, spec)
+            await self.spec_runtime.start()
 
         max_msg = cfg.max_message_mb * 1024 * 1024
         auth = TokenAuth(cfg.auth.submit_tokens, cfg.auth.weights_tokens)
@@ -77,6 +84,7 @@ class RolloutService:
             info.name,
             int(cfg.max_weights_gb * 1024**3),
             cfg.push_idle_timeout_s,
+            self.spec_runtime,
         )
         rollout_pb2_grpc.add_RolloutServiceServicer_to_server(servicer, self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
@@ -98,7 +106,7 @@ class RolloutService:
         await self._grpc.start()
 
         openai = OpenAIFrontEnd(self.core, limits, tokenizer, info.name)
-        app = make_app(self.core, openai)
+        app = make_app(self.core, openai, self.spec_runtime)
         if auth.enabled:
             app.middlewares.append(http_middleware(auth))
         self._http = web.AppRunner(app, access_log=None)
@@ -124,6 +132,8 @@ class RolloutService:
             await self.core.checkpoint(self.config.state_dir)
         if self._http:
             await self._http.cleanup()
+        if self.spec_runtime:
+            await self.spec_runtime.stop()
         if self.core:
             await self.core.stop()
 

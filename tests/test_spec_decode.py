@@ -220,6 +220,45 @@ async def test_draft_weight_push_changes_acceptance_never_outputs(spec_engine, p
     assert broken < before and restored == pytest.approx(before, abs=1e-9)
 
 
+async def test_status_metrics_and_draft_pushes_over_grpc(spec_service, spec_engine, sclient):
+    """The speculation state is visible in GetStatus and /metrics; a
+    trainer pushes draft weights with `target="draft"`: bad ones are refused
+    naming the field, good ones serve as the next draft version and leave
+    the policy version alone."""
+    import aiohttp
+    import grpc
+    from safetensors.torch import load_file
+
+    await spec_engine.set_spec_schedule(ALWAYS)
+    await sample(spec_engine, PROMPT, 2, max_tokens=20)
+    st = await sclient.status()
+    assert st.spec.method == "draft_model"
+    [eng] = st.spec.engines
+    assert eng.engine_id == spec_engine.engine_id and eng.max_k == K
+    assert 0 < eng.accepted_tokens <= eng.draft_tokens and len(eng.acceptance_by_position) == K
+    assert [(b.min_batch, b.max_batch, b.num_speculative_tokens) for b in eng.buckets] == [(1, MAX_SEQS, K)]
+    policy, draft_version = st.policy_version, eng.draft_version
+
+    draft = load_file(os.path.join(draft_model(), "model.safetensors"))
+    name = "model.embed_tokens.weight"
+    wrong = dict(draft, **{name: torch.zeros(draft[name].shape[0] + 1, draft[name].shape[1])})
+    for weights, version, field in ((wrong, draft_version + 1, "header.tensors"),
+                                    ({"lm_head.bias": torch.zeros(3)}, draft_version + 1, "header.tensors"),
+                                    (draft, draft_version, "header.version")):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await sclient.push_weights(weights, version, target="draft")
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in err.value.details()
+    reply = await sclient.push_weights(draft, draft_version + 1, target="draft")
+    assert reply.applied_version == draft_version + 1
+    st = await sclient.status()
+    assert st.spec.engines[0].draft_version == draft_version + 1 and st.policy_version == policy
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"http://127.0.0.1:{spec_service.http_port}/metrics") as r:
+            metrics = await r.text()
+    assert f'rollout_spec_draft_version{{engine="{spec_engine.engine_id}"}} {draft_version + 1}' in metrics
+    assert f'rollout_spec_depth{{engine="{spec_engine.engine_id}",batch="1-{MAX_SEQS}"}} {K}' in metrics
+
+
 def staged(state):
     from rollout_service.core.weights import StagedWeights, WeightTensor
 

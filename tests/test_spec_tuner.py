@@ -234,3 +234,44 @@ async def test_spec_runtime_on_sim_engines_refreshes_the_drafter_per_policy_vers
         await core.stop()
     assert status["trainer"]["trained_on_policy_version"] == 1
     assert all(e["draft_version"] == 1 for e in status["engines"].values())
+
+
+async def test_service_runs_the_tuner_and_trainer_and_reports_them_in_get_status():
+    """`[engine.spec]` with tune and train: the service itself runs the depth
+    tuner and the online drafter, and GetStatus shows the depth per batch
+    bucket with the tuner's measurements and the drafter's version."""
+    import numpy as np
+
+    from conftest import sim_config, unique
+    from rollout_service.service import RolloutService
+    from trainer_client import PromptGroup, RolloutClient
+
+    spec = {"method": "draft_model", "tune": True, "train": True, "num_speculative_tokens": 3,
+            "schedule": [[1, 4, 3], [5, 64, 0]], "tuner": {"interval_s": 0.05}, "trainer": {"min_new_samples": 4}}
+    sim = {"decode_base_s": 0.0005, "decode_per_seq_s": 0.00002, "length_median": 60, "length_sigma": 0.3,
+           "spec_acceptance_drift": 0.2}
+    service = RolloutService(sim_config(num_engines=2, sim=sim, spec=spec))
+    await service.start()
+    try:
+        async with RolloutClient(f"127.0.0.1:{service.grpc_port}", consumer_id=unique("spec")) as client:
+            await client.push_weights({"w": np.ones(4, dtype=np.float32)}, version=1)
+            prefix = unique("tuned")
+            await client.submit([PromptGroup(prompt_token_ids=[1, 2, 3], num_samples=4, max_tokens=128,
+                                             group_id=f"{prefix}-{i}") for i in range(4)])
+            got = 0
+            async for group in client.groups():
+                got += 1
+                if got == 4:
+                    break
+            await asyncio.sleep(0.2)
+            st = await client.status()
+    finally:
+        await service.stop()
+    assert st.spec.method == "draft_model" and st.spec.tune and st.spec.train
+    assert st.spec.trained_on_policy_version == 1 and st.spec.draft_version >= 1
+    assert len(st.spec.engines) == 2
+    for eng in st.spec.engines:
+        assert eng.tuner_decisions > 0 and eng.draft_tokens > 0
+        assert eng.buckets[0].min_batch == 1 and all(b.num_speculative_tokens <= 3 for b in eng.buckets)
+        measured = [b for b in eng.buckets if b.observations]
+        assert measured and all(v > 0 for b in measured for v in b.tokens_per_s_per_seq.values())

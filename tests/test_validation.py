@@ -163,6 +163,17 @@ async def test_good_push_bumps_version_and_tags_new_tokens(client):
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "version" in err.value.details()
 
 
+async def test_draft_push_without_speculation_names_the_target(client):
+    before = (await client.status()).policy_version
+    for target, why in (("draft", "do not speculate"), ("critic", "'policy' or 'draft'")):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await client.push_weights({"w": np.ones(4, dtype=np.float32)}, version=before + 1, target=target)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "header.target" in err.value.details() and why in err.value.details()
+    assert (await client.status()).policy_version == before
+    await _valid_round_trip(client)
+
+
 async def test_server_survives_a_burst_of_bad_requests(client):
     bad = [client._stub.Submit(pb.SubmitRequest(groups=[_group(**o)])) for o, _ in BAD_SUBMITS] * 5
     results = await asyncio.gather(*bad, return_exceptions=True)

@@ -178,19 +178,22 @@ class RolloutClient:
     # -- weights -------------------------------------------------------------------
 
     async def push_weights(
-        self, state_dict: Mapping[str, object], version: int, chunk_mb: float = 4.0, checksums: bool = True
+        self, state_dict: Mapping[str, object], version: int, chunk_mb: float = 4.0, checksums: bool = True,
+        target: str = "policy",
     ) -> pb.PushWeightsResponse:
         """Stream a state dict (torch tensors or NumPy arrays) to the service;
-        returns when `version` serves on every engine."""
+        returns when `version` serves on every engine. `target="draft"`
+        pushes draft-model weights for speculative decoding instead
+        (versioned separately; lossless whatever they are)."""
         tensors = await asyncio.to_thread(_weights.flatten, state_dict)
         specs = await asyncio.to_thread(_weights.manifest, tensors, checksums)
-        header = pb.WeightsHeader(version=version, tensors=specs)
+        header = pb.WeightsHeader(version=version, tensors=specs, target=target)
         chunks = _weights.chunks(header, tensors, int(chunk_mb * 1024 * 1024))
         return await self._stub.PushWeights(chunks, metadata=self._md)
 
-    async def push_weights_file(self, path: str, version: int) -> pb.PushWeightsResponse:
+    async def push_weights_file(self, path: str, version: int, target: str = "policy") -> pb.PushWeightsResponse:
         """Same-host fast path: the server reads a safetensors file directly."""
-        header = pb.WeightsHeader(version=version, file_path=path)
+        header = pb.WeightsHeader(version=version, file_path=path, target=target)
         return await self._stub.PushWeights(iter([pb.WeightsChunk(header=header)]), metadata=self._md)
 
     # -- status ----------------------------------------------------------------------

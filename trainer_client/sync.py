@@ -69,8 +69,8 @@ class SyncRolloutClient:
     def push_weights(self, state_dict, version: int, **kwargs):
         return self._call(self._client.push_weights(state_dict, version, **kwargs))
 
-    def push_weights_file(self, path: str, version: int):
-        return self._call(self._client.push_weights_file(path, version))
+    def push_weights_file(self, path: str, version: int, target: str = "policy"):
+        return self._call(self._client.push_weights_file(path, version, target))
 
     def status(self):
         return self._call(self._client.status())

@@ -49,7 +49,7 @@ def engine_status(load: EngineLoad, assigned: int) -> pb.EngineStatus:
     )
 
 
-def status_to_pb(st: dict, model: str) -> pb.StatusResponse:
+def status_to_pb(st: dict, model: str, spec: dict | None = None) -> pb.StatusResponse:
     return pb.StatusResponse(
         policy_version=st["policy_version"],
         engines=[engine_status(load, assigned) for load, assigned in st["engines"]],
@@ -62,4 +62,41 @@ def status_to_pb(st: dict, model: str) -> pb.StatusResponse:
         counters={k: float(v) for k, v in st["counters"].items()},
         uptime_s=st["uptime_s"],
         model=model,
+        spec=spec_status_to_pb(spec) if spec else None,
+    )
+
+
+def spec_status_to_pb(st: dict) -> pb.SpecStatus:
+    """`SpecRuntime.status()` -> SpecStatus (engines that speculate only)."""
+    trainer = st.get("trainer") or {}
+    engines = []
+    for eid, e in sorted(st.get("engines", {}).items()):
+        if e.get("method", "off") == "off":
+            continue
+        tuner = e.get("tuner") or {}
+        if tuner.get("buckets"):
+            buckets = [
+                pb.SpecDepthBucket(
+                    min_batch=b["batch"][0], max_batch=b["batch"][1], num_speculative_tokens=b["k"], best_k=b["best_k"],
+                    tokens_per_s_per_seq={int(k): v for k, v in b["tokens_per_s_per_seq"].items()},
+                    observations={int(k): v for k, v in b["observations"].items()},
+                )
+                for b in tuner["buckets"]
+            ]
+        else:  # a fixed schedule: [first, last, K] per bucket
+            buckets = [pb.SpecDepthBucket(min_batch=lo, max_batch=hi, num_speculative_tokens=k, best_k=k)
+                       for lo, hi, k in e.get("schedule", [])]
+        engines.append(pb.SpecEngineStatus(
+            engine_id=eid, method=e["method"], max_k=e.get("max_k", 0), draft_version=e.get("draft_version", 0),
+            steps=e.get("steps", 0), draft_tokens=round(e.get("draft_tokens", 0)),
+            accepted_tokens=round(e.get("accepted_tokens", 0)),  # the simulated engine counts expectations
+            mean_acceptance_length=e.get("mean_acceptance_length", 1.0),
+            acceptance_by_position=e.get("acceptance_by_position", []), buckets=buckets,
+            tuner_decisions=tuner.get("decisions", 0), tuner_explorations=tuner.get("explorations", 0),
+        ))
+    return pb.SpecStatus(
+        method=st.get("method", ""), tune=bool(st.get("tune")), train=bool(st.get("train")),
+        draft_version=max([st.get("draft_version", 0), trainer.get("draft_version", 0)] + [e.draft_version for e in engines]),
+        trained_on_policy_version=trainer.get("trained_on_policy_version", 0),
+        trainer_rounds=trainer.get("rounds", 0), engines=engines,
     )

@@ -1,14 +1,49 @@
 """The aiohttp side server: health, readiness, Prometheus metrics, status JSON."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from aiohttp import web
 
 from rollout_service.api.openai_http import OpenAIFrontEnd
 from rollout_service.api.vllm_compat import VllmCompat
 from rollout_service.core.rollout import RolloutCore
 
+if TYPE_CHECKING:
+    from rollout_service.drafter.runtime import SpecRuntime
 
-def _metrics_text(core: RolloutCore) -> str:
+
+def _spec_metrics(spec: dict) -> list[str]:
+    """Speculative decoding per engine: drafted/accepted tokens, acceptance
+    length and by position, the depth in force and the tuner's measurements."""
+    lines = []
+    engines = {eid: e for eid, e in spec.get("engines", {}).items() if e.get("method", "off") != "off"}
+    for name, key, kind in (("spec_draft_tokens_total", "draft_tokens", "counter"),
+                            ("spec_accepted_tokens_total", "accepted_tokens", "counter"),
+                            ("spec_mean_acceptance_length", "mean_acceptance_length", "gauge"),
+                            ("spec_draft_version", "draft_version", "gauge")):
+        lines.append(f"# TYPE rollout_{name} {kind}")
+        lines += [f'rollout_{name}{{engine="{eid}"}} {e.get(key, 0)}' for eid, e in engines.items()]
+    lines.append("# TYPE rollout_spec_acceptance_by_position gauge")
+    for eid, e in engines.items():
+        lines += [f'rollout_spec_acceptance_by_position{{engine="{eid}",position="{i + 1}"}} {v}'
+                  for i, v in enumerate(e.get("acceptance_by_position", []))]
+    lines.append("# TYPE rollout_spec_depth gauge")
+    lines.append("# TYPE rollout_spec_tokens_per_s_per_seq gauge")
+    for eid, e in engines.items():
+        buckets = (e.get("tuner") or {}).get("buckets")
+        if buckets:
+            for b in buckets:
+                batch = f'{b["batch"][0]}-{b["batch"][1]}'
+                lines.append(f'rollout_spec_depth{{engine="{eid}",batch="{batch}"}} {b["k"]}')
+                lines += [f'rollout_spec_tokens_per_s_per_seq{{engine="{eid}",batch="{batch}",k="{k}"}} {v}'
+                          for k, v in b["tokens_per_s_per_seq"].items()]
+        else:
+            lines += [f'rollout_spec_depth{{engine="{eid}",batch="{lo}-{hi}"}} {k}' for lo, hi, k in e.get("schedule", [])]
+    return lines
+
+
+def _metrics_text(core: RolloutCore, spec_runtime: "SpecRuntime | None" = None) -> str:
     st = core.status()
     lines = [
         "# TYPE rollout_policy_version gauge",
@@ -36,10 +71,13 @@ def _metrics_text(core: RolloutCore) -> str:
         for le, count in hist.cumulative():
             lines.append(f'rollout_{name}_bucket{{le="{le}"}} {count}')
         lines += [f"rollout_{name}_sum {hist.sum}", f"rollout_{name}_count {hist.count}"]
+    if spec_runtime is not None:
+        lines += _spec_metrics(spec_runtime.status())
     return "\n".join(lines) + "\n"
 
 
-def make_app(core: RolloutCore, openai: "OpenAIFrontEnd | None" = None) -> web.Application:
+def make_app(core: RolloutCore, openai: "OpenAIFrontEnd | None" = None,
+             spec_runtime: "SpecRuntime | None" = None) -> web.Application:
     async def healthz(_):
         return web.json_response({"status": "ok"})
 
@@ -49,7 +87,7 @@ def make_app(core: RolloutCore, openai: "OpenAIFrontEnd | None" = None) -> web.A
         return web.json_response({"ready": ready, "engines": states}, status=200 if ready else 503)
 
     async def metrics(_):
-        return web.Response(text=_metrics_text(core), content_type="text/plain", charset="utf-8")
+        return web.Response(text=_metrics_text(core, spec_runtime), content_type="text/plain", charset="utf-8")
 
     async def status(_):
         st = core.status()
@@ -58,6 +96,8 @@ def make_app(core: RolloutCore, openai: "OpenAIFrontEnd | None" = None) -> web.A
              "waiting": l.waiting, "kv_usage": l.kv_usage, "tokens_per_s": l.tokens_per_s, "assigned": a}
             for l, a in st["engines"]
         ]
+        if spec_runtime is not None:
+            st["spec"] = spec_runtime.status()
         return web.json_response(st)
 
     app = web.Application()

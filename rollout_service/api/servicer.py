@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -21,7 +22,10 @@ from rollout_service.core.weights import (
     read_safetensors,
     split_and_verify,
 )
-from rollout_service.engines.base import WeightsRejected
+from rollout_service.engines.base import EngineError, WeightsRejected
+
+if TYPE_CHECKING:
+    from rollout_service.drafter.runtime import SpecRuntime
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +56,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         model_name: str,
         max_weights_bytes: int,
         push_idle_timeout_s: float = 30.0,
+        spec_runtime: "SpecRuntime | None" = None,
     ) -> None:
         self.core = core
         self.limits = limits
@@ -59,6 +64,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         self.model_name = model_name
         self.max_weights_bytes = max_weights_bytes
         self.push_idle_timeout_s = push_idle_timeout_s
+        self.spec_runtime = spec_runtime
 
     async def Submit(self, request: pb.SubmitRequest, context) -> pb.SubmitResponse:
         try:
@@ -98,7 +104,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         return pb.AbortResponse(aborted_groups=n, partial_samples=[convert.sample_to_pb(s) for s in partials])
 
     async def GetStatus(self, request: pb.StatusRequest, context) -> pb.StatusResponse:
-        return convert.status_to_pb(self.core.status(), self.model_name)
+        spec = self.spec_runtime.status() if self.spec_runtime is not None else None
+        return convert.status_to_pb(self.core.status(), self.model_name, spec)
 
     async def PushWeights(self, request_iterator, context) -> pb.PushWeightsResponse:
         t0 = time.perf_counter()
@@ -108,19 +115,23 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             if first is None or first.WhichOneof("kind") != "header":
                 raise FieldError("header", "the first message of PushWeights must be a WeightsHeader")
             header = first.header
-            if header.target not in ("", "policy"):
-                raise FieldError("header.target", f"must be 'policy' (draft weights are not served yet), got {header.target!r}")
+            if header.target not in ("", "policy", "draft"):
+                raise FieldError("header.target", f"must be 'policy' or 'draft', got {header.target!r}")
+            draft = header.target == "draft"
+            if draft and self.spec_runtime is None:
+                raise FieldError("header.target", "'draft': the engines do not speculate (engine.spec is off)")
+            check = self.spec_runtime.check_draft_weights if draft else self.core.check_weights
             if header.file_path:
                 specs, buffer = await asyncio.to_thread(read_safetensors, header.file_path)
                 if header.tensors:
                     specs = _match_file_manifest(convert.tensor_specs(header), specs)
                 check_manifest(specs, self.max_weights_bytes)
-                self.core.check_weights(header.version, {s.name: (s.dtype, s.shape) for s in specs})
+                check(header.version, {s.name: (s.dtype, s.shape) for s in specs})
                 received = len(buffer)
             else:
                 specs = convert.tensor_specs(header)
                 total = check_manifest(specs, self.max_weights_bytes)
-                self.core.check_weights(header.version, {s.name: (s.dtype, s.shape) for s in specs})
+                check(header.version, {s.name: (s.dtype, s.shape) for s in specs})
                 buffer = bytearray(total)
                 async for msg in _with_idle_timeout(request_iterator, self.push_idle_timeout_s):
                     if msg.WhichOneof("kind") != "data":
@@ -135,7 +146,13 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                 buffer = memoryview(buffer)
             tensors = await asyncio.to_thread(split_and_verify, specs, buffer)
             staged = StagedWeights(tensors, source_path=header.file_path or None)
-            version = await self.core.update_weights(header.version, staged)
+            if draft:
+                version = await self.spec_runtime.push_draft_weights(header.version, staged)
+            else:
+                version = await self.core.update_weights(header.version, staged)
+        except EngineError as exc:
+            log.warning("draft weight push failed on an engine: %s", exc)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except PushStalled as exc:
             log.warning("weight push abandoned: %s", exc)
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))

@@ -131,6 +131,7 @@ class SpecRuntime:
             "method": self.spec.method,
             "tune": self.spec.tune,
             "train": self.spec.train,
+            "draft_version": self.draft_version,
             "engines": spec_status(self.core.engines),
         }
         if self.trainer is not None:
