@@ -71,6 +71,7 @@ def grpo_loss(model, groups, rewards, version: int, args):
     sequence mean: a 1,000-token runaway weighs as much as a 50-token answer)."""
     device = next(model.parameters()).device
     total, n_tokens, n_samples, masked = 0.0, 0, 0, 0
+    gaps = []  # |trainer - behaviour| logprob on tokens of the current version: ~0 when the service serves our weights
     for group, group_rewards in zip(groups, rewards):
         mean = statistics.mean(group_rewards)
         std = statistics.pstdev(group_rewards)
@@ -86,6 +87,8 @@ def grpo_loss(model, groups, rewards, version: int, args):
             old_lp = torch.tensor(s.behaviour_logprobs, device=device)
             mask = torch.tensor(s.loss_mask(version, args.max_lag), device=device, dtype=torch.float32)
             masked += int((mask == 0).sum())
+            if s.min_version == s.max_version == version:
+                gaps.append((new_lp.detach() - old_lp).abs())
             ratio = torch.exp(new_lp - old_lp)
             surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - args.clip, 1 + args.clip) * adv)
             if mask.sum() == 0:
@@ -93,9 +96,9 @@ def grpo_loss(model, groups, rewards, version: int, args):
             total = total - (surrogate * mask).sum() / mask.sum()
             n_tokens += int(mask.sum())
             n_samples += 1
-    if n_samples == 0:
-        return None, 0, masked
-    return total / n_samples, n_tokens, masked
+    gap = torch.cat(gaps) if gaps else torch.zeros(1)
+    stats = {"tokens": n_tokens, "masked": masked, "gap_mean": float(gap.mean()), "gap_max": float(gap.max())}
+    return (total / n_samples if n_samples else None), stats
 
 
 async def train(args) -> dict:
@@ -156,7 +159,8 @@ async def train(args) -> dict:
                 t_gen = time.perf_counter() - t0
                 rewards = [[verify(problems[s.group_id], decode(s.response_token_ids)) for s in g] for g in groups]
                 model.train()
-                loss, n_tokens, masked = grpo_loss(model, groups, rewards, version, args)
+                loss, stats = grpo_loss(model, groups, rewards, version, args)
+                masked = stats["masked"]
                 if loss is not None:
                     optimizer.zero_grad()
                     loss.backward()
@@ -171,11 +175,13 @@ async def train(args) -> dict:
                     "step": step + 1, "reward": statistics.mean(flat), "step_s": time.perf_counter() - t0,
                     "generate_s": t_gen, "tokens": sum(len(s.response_token_ids) for g in groups for s in g),
                     "masked_tokens": masked, "max_lag": max(lags), "loss": float(loss.detach()) if loss is not None else 0.0,
+                    "logprob_gap_mean": stats["gap_mean"], "logprob_gap_max": stats["gap_max"],
                 }
                 history.append(row)
                 print(f"step {row['step']:>3}  reward {row['reward']:.3f}  loss {row['loss']:+.4f}  "
                       f"step {row['step_s']:.1f}s (generation {t_gen:.1f}s)  tokens {row['tokens']}  "
-                      f"stale-masked {masked}  lag<= {row['max_lag']}", flush=True)
+                      f"stale-masked {masked}  lag<= {row['max_lag']}  "
+                      f"|trainer-served logprob| {stats['gap_mean']:.1e} (max {stats['gap_max']:.1e})", flush=True)
             train_s = time.perf_counter() - t_run
             end_reward = await evaluate(client, held_out, args.eval_samples, args.max_tokens, "end")
             print(f"held-out pass rate after training:  {end_reward:.3f}", flush=True)
