@@ -8,7 +8,7 @@ COPY rollout_proto rollout_proto
 COPY rollout_service rollout_service
 COPY trainer_client trainer_client
 COPY examples examples
-RUN pip install --no-cache-dir -e '.[cpu]' \
+RUN pip install --no-cache-dir -e '.[cpu,ray]' \
  && pip uninstall -y torchvision torchaudio torchcodec || true
 EXPOSE 50051 8000
 ENTRYPOINT ["rollout-service"]

@@ -12,7 +12,7 @@ ARGS   ?=
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[cpu,test,train,trl]'
+	$(BIN)/python -m pip install --quiet -e '.[cpu,test,train,trl,ray]'
 	# PyPI's torchvision/torchaudio/torchcodec break `import transformers` beside the CPU torch.
 	$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
 	touch $(STAMP)

@@ -19,6 +19,9 @@ def _add_service_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-engines", type=int, help="engines in the fleet")
     p.add_argument("--model", help="model directory (default: the bundled tiny reasoner)")
     p.add_argument("--placement", help="placement policy (default least-assigned)")
+    p.add_argument("--ray", nargs="?", const="auto", metavar="ADDRESS",
+                   help="run each engine as a Ray actor on the cluster at ADDRESS (default: auto, the cluster "
+                        "this node belongs to; 'local' starts Ray here)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any configuration key, e.g. engine.max_seqs=32")
 
 
@@ -31,6 +34,8 @@ def _config(args: argparse.Namespace) -> ServiceConfig:
         value = getattr(args, flag)
         if value is not None:
             overrides.append(f"{key}={json.dumps(value)}")
+    if args.ray is not None:
+        overrides += ['engine.placement_backend="ray"', f"engine.ray.address={json.dumps(args.ray)}"]
     return load_config(args.config, overrides)
 
 

@@ -5,6 +5,7 @@
     [engine.sim]         SimParams fields (simulated engines)
     [engine.vllm_args]   extra keyword arguments for vLLM's engine
     [engine.spec]        speculative decoding (rollout_service.engines.spec.SpecConfig)
+    [engine.ray]         the fleet on a Ray cluster (with engine.placement_backend = "ray")
 
 Any field can be set from the command line with `--set engine.num_engines=4`.
 """
@@ -23,6 +24,19 @@ from rollout_service.scheduling.rebalancer import RebalanceConfig
 
 
 @dataclass(slots=True)
+class RayConfig:
+    """Engines as Ray actors (rollout_service.engines.ray_engine)."""
+
+    address: str = "auto"  # "auto": the cluster this node belongs to; "local": start Ray here; or "host:port"
+    strategy: str = "SPREAD"  # placement-group strategy: SPREAD, PACK, STRICT_SPREAD, STRICT_PACK
+    cpus_per_engine: float = 1.0  # CPU of each engine's bundle
+    gpus_per_engine: float = 0.0  # GPU of each engine's bundle (its tensor-parallel size on a GPU cluster)
+    engines_per_actor: int = 1  # engines hosted by one actor process (>1 only for large simulated fleets)
+    object_store_gb: float = 0.0  # object store of a Ray started here ("local"); 0 = Ray's default
+    heartbeat_s: float = 0.25  # an idle actor reports its engines' load this often
+
+
+@dataclass(slots=True)
 class EngineConfig:
     kind: str = "vllm"  # "vllm" (real engines, CPU or GPU) or "sim" (cost-model engines)
     num_engines: int = 2
@@ -36,6 +50,10 @@ class EngineConfig:
     # (SpecConfig fields; "tune"/"train" switch on the depth tuner and the
     # online drafter trainer).
     spec: dict[str, Any] = field(default_factory=dict)
+    # "local": engines run under this process; "ray": each engine runs in a
+    # Ray actor placed across the cluster's nodes ([engine.ray]).
+    placement_backend: str = "local"
+    ray: RayConfig = field(default_factory=RayConfig)
 
 
 @dataclass(slots=True)

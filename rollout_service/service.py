@@ -48,8 +48,9 @@ class RolloutService:
         cfg = self.config
         info = model_info(cfg.engine)
         tokenizer = await asyncio.to_thread(load_tokenizer, info)
+        engines = make_engines(cfg.engine, info)
         self.core = RolloutCore(
-            make_engines(cfg.engine, info),
+            engines,
             make_placement(cfg.placement),
             Clock(),
             CoreLimits(max_queued_samples=cfg.max_queued_samples, consumer_ttl_s=cfg.consumer_ttl_s),
@@ -57,6 +58,10 @@ class RolloutService:
             carry_over=cfg.carry_over,
             rebalance=cfg.rebalance if cfg.rebalance.enabled else None,
         )
+        if cfg.engine.placement_backend == "ray":
+            from rollout_service.engines.ray_engine import bind_counters
+
+            bind_counters(engines, self.core.counters)
         if cfg.state_dir and self.core.restore(cfg.state_dir):
             log.info("resumed from the checkpoint in %s: %d open groups, version %d",
                      cfg.state_dir, len(self.core.groups), self.core.policy_version)

@@ -1,6 +1,7 @@
 """Build the engine fleet and read what the edge needs to know of the model."""
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -85,16 +86,38 @@ def sim_params(cfg: EngineConfig, info: ModelInfo, index: int) -> SimParams:
 
 
 def make_engines(cfg: EngineConfig, info: ModelInfo) -> list[Engine]:
+    """The fleet: engines in this process, or (`placement_backend = "ray"`)
+    the same engines in Ray actors behind `RayEngine` proxies."""
     if cfg.num_engines < 1:
         raise ValueError(f"engine.num_engines must be >= 1, got {cfg.num_engines}")
+    if cfg.placement_backend not in ("local", "ray"):
+        raise ValueError(f"engine.placement_backend must be 'local' or 'ray', got {cfg.placement_backend!r}")
+    factories = engine_factories(cfg, info)
+    if cfg.placement_backend == "ray":
+        from rollout_service.engines.ray_engine import make_ray_engines
+
+        r = cfg.ray
+        return make_ray_engines(factories, address=r.address, strategy=r.strategy, cpus_per_engine=r.cpus_per_engine,
+                                gpus_per_engine=r.gpus_per_engine, engines_per_actor=r.engines_per_actor,
+                                object_store_gb=r.object_store_gb, heartbeat_s=r.heartbeat_s)
+    return [make() for _, make in factories]
+
+
+def engine_factories(cfg: EngineConfig, info: ModelInfo) -> list[tuple[str, "functools.partial[Engine]"]]:
+    """(engine id, zero-argument constructor) per engine; picklable, so a
+    Ray actor can build the same engine on another node."""
     if cfg.kind == "sim":
-        return [SimEngine(f"sim-{i}", sim_params(cfg, info, i)) for i in range(cfg.num_engines)]
+        return [(f"sim-{i}", functools.partial(SimEngine, f"sim-{i}", sim_params(cfg, info, i)))
+                for i in range(cfg.num_engines)]
     if cfg.kind == "vllm":
         from rollout_service.engines.vllm import VllmEngine
 
+        # On a CPU platform each engine gets its own cores; with Ray this
+        # assumes every node has this node's cores (true of one machine).
         binds = _cpu_binds(cfg.num_engines)
         return [
-            VllmEngine(
+            (f"vllm-{i}", functools.partial(
+                VllmEngine,
                 f"vllm-{i}",
                 info.path,
                 max_seqs=cfg.max_seqs,
@@ -104,7 +127,7 @@ def make_engines(cfg: EngineConfig, info: ModelInfo) -> list[Engine]:
                 seed=i,
                 vllm_args=cfg.vllm_args,
                 spec=SpecConfig.from_dict(cfg.spec),
-            )
+            ))
             for i in range(cfg.num_engines)
         ]
     raise ValueError(f"engine.kind must be 'sim' or 'vllm', got {cfg.kind!r}")

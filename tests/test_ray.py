@@ -1,0 +1,230 @@
+"""The engine fleet as Ray actors on a local Ray cluster: a head and one
+worker node, each a separate set of Ray processes on this machine.
+
+The simulated-engine tests are quick; the vLLM test runs 2 real vLLM CPU
+engines as actors, one per node (~1 minute)."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from rollout_service.config import EngineConfig, RayConfig, ServiceConfig  # noqa: E402
+from rollout_service.service import RolloutService  # noqa: E402
+from trainer_client import PromptGroup, RolloutClient  # noqa: E402
+
+from conftest import FAST_SIM, unique, vllm_model  # noqa: E402
+from test_streaming import collect  # noqa: E402
+
+STORE = 256 * 1024**2  # object store per node (bytes)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A Ray head node and one worker node; 1 CPU each, so that a
+    placement group of 1-CPU bundles spreads over both."""
+    c = Cluster(initialize_head=True, head_node_args=dict(num_cpus=1, object_store_memory=STORE, include_dashboard=False))
+    worker = c.add_node(num_cpus=1, object_store_memory=STORE)
+    ray.init(address=c.address, include_dashboard=False, log_to_driver=True)
+    c.worker = worker
+    yield c
+    ray.shutdown()
+    c.shutdown()
+
+
+def ray_config(cluster, **engine) -> ServiceConfig:
+    ray_cfg = RayConfig(address=cluster.address, cpus_per_engine=engine.pop("cpus", 1.0), heartbeat_s=0.1)
+    return ServiceConfig(grpc_port=0, http_port=0,
+                         engine=EngineConfig(placement_backend="ray", ray=ray_cfg, **engine))
+
+
+def check_versions(sample, allowed: set[int]) -> None:
+    """Every response token is tagged, segments in order, versions never go back."""
+    assert sum(n for _, _, n in sample.versions) == len(sample.response_token_ids)
+    starts = [s for _, s, _ in sample.versions]
+    assert starts == sorted(starts)
+    versions = [v for v, _, _ in sample.versions]
+    assert versions == sorted(versions) and set(versions) <= allowed, sample.versions
+
+
+async def wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.time() + timeout
+    while not predicate():
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
+async def test_sim_actors_serve_push_weights_and_survive_a_killed_actor(cluster):
+    service = RolloutService(ray_config(cluster, kind="sim", num_engines=4, cpus=0.5,
+                                        sim=dict(FAST_SIM, decode_base_s=0.004)))
+    await service.start()
+    core = service.core
+    try:
+        engines = list(core.engines.values())
+        assert all(e.placement == "ray" and e.actor_pid != os.getpid() for e in engines)
+        assert len({e.node_id for e in engines}) == 2  # spread over both nodes
+        async with RolloutClient(f"127.0.0.1:{service.grpc_port}", consumer_id=unique("ray")) as client:
+            prefix = unique("r")
+            await client.submit([PromptGroup(prompt_token_ids=[1, 5, i], num_samples=8, max_tokens=400,
+                                             group_id=f"{prefix}-{i}", metadata={"sim.target_lengths": "60,300,120,200"})
+                                 for i in range(16)])
+            await wait_until(lambda: core.counters["samples_completed"] >= 8, 30, "first samples")
+            reply = await client.push_weights({"w": np.ones((256, 256), np.float32)}, version=1)
+            assert reply.applied_version == 1
+            assert all(e.load().policy_version == 1 for e in engines)
+            victim = core.engines["sim-1"]
+            await wait_until(lambda: any(r.engine_id == "sim-1" and len(r.token_ids) > 5 for r, _ in core.running.values()),
+                             30, "a request with tokens on sim-1")
+            pid, restarts = victim.actor_pid, victim.restarts
+            os.kill(pid, signal.SIGKILL)
+            samples = await collect(client, prefix, 128, timeout=120)
+            after = unique("after")
+            await client.submit([PromptGroup(prompt_token_ids=[1, 7, i], num_samples=4, max_tokens=50, group_id=f"{after}-{i}")
+                                 for i in range(8)])
+            later = await collect(client, after, 32, timeout=60)
+            status = await client.status()
+        assert len({s.sample_id for s in samples}) == 128 and len(samples) == 128
+        assert all(s.finish_reason in ("stop", "length") for s in samples)
+        for s in samples:
+            check_versions(s, {0, 1})
+        assert all(s.min_version == s.max_version == 1 for s in later)
+        # The killed actor's requests went on elsewhere from their partial responses.
+        resumed = [s for s in samples if "sim-1" in s.engines[:-1]]
+        assert resumed and status.counters["tokens_reprefilled"] > 0
+        assert status.counters["ray_actor_deaths"] >= 1 and status.counters["engine_restarts"] >= 1
+        # A new actor, on the current weights.
+        await wait_until(lambda: victim.restarts == restarts + 1 and victim.load().state == "ready"
+                         and "sim-1" not in core._restarting, 60, "the actor to come back")
+        assert victim.actor_pid not in (None, pid)
+        assert victim.load().policy_version == 1
+    finally:
+        await service.stop()
+
+
+async def test_a_dead_node_s_engines_come_back_when_a_node_joins(cluster):
+    """The worker node dies: its engines' requests finish on the head's
+    engines; the engines stay down (no free resources) until a new node
+    joins, then come back on it."""
+    service = RolloutService(ray_config(cluster, kind="sim", num_engines=4, cpus=0.5,
+                                        sim=dict(FAST_SIM, decode_base_s=0.01)))
+    await service.start()
+    core = service.core
+    try:
+        head = ray.get_runtime_context().get_node_id()
+        on_worker = [e for e in core.engines.values() if e.node_id != head]
+        assert len(on_worker) == 2
+        async with RolloutClient(f"127.0.0.1:{service.grpc_port}", consumer_id=unique("node")) as client:
+            prefix = unique("n")
+            await client.submit([PromptGroup(prompt_token_ids=[1, 9, i], num_samples=4, max_tokens=1000, group_id=f"{prefix}-{i}",
+                                             metadata={"sim.target_lengths": "200,900"}) for i in range(16)])
+            await wait_until(lambda: any(r.engine_id == on_worker[0].engine_id and r.token_ids for r, _ in core.running.values()),
+                             30, "tokens on the worker node")
+            cluster.remove_node(cluster.worker, allow_graceful=False)
+            await wait_until(lambda: all(e.load().state != "ready" for e in on_worker), 60, "the node's death to be seen")
+            samples = await collect(client, prefix, 64, timeout=180)
+            assert all(e.load().state != "ready" for e in on_worker)  # no resources: still down
+            cluster.worker = cluster.add_node(num_cpus=1, object_store_memory=STORE)
+            await wait_until(lambda: all(e.load().state == "ready" and e.engine_id not in core._restarting for e in on_worker),
+                             90, "the engines to come back on the new node")
+            assert {e.node_id for e in on_worker} == {cluster.worker.node_id}
+            again = unique("again")
+            await client.submit([PromptGroup(prompt_token_ids=[1, 9, i], num_samples=4, max_tokens=40, group_id=f"{again}-{i}")
+                                 for i in range(8)])
+            later = await collect(client, again, 32, timeout=60)
+        assert len({s.sample_id for s in samples}) == 64
+        dead = {e.engine_id for e in on_worker}
+        assert any(dead & set(s.engines[:-1]) for s in samples)  # resumed elsewhere from partials
+        assert {e for s in later for e in s.engines} >= dead
+    finally:
+        await service.stop()
+
+
+# -- real vLLM engines as Ray actors ---------------------------------------------------------
+
+
+def _logprob_gaps(samples, weights_by_version) -> float:
+    """Largest gap (nats) between a returned logprob and transformers'
+    recomputation with the weights its version tag names."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(vllm_model(), dtype=torch.float32).eval()
+    worst = 0.0
+    for version, weights in weights_by_version.items():
+        model.load_state_dict(weights, strict=False)
+        model.tie_weights()
+        for s in samples:
+            mask = torch.tensor([v == version for v, _, n in s.versions for _ in range(n)])
+            if not mask.any():
+                continue
+            ids = torch.tensor([s.prompt_token_ids + s.response_token_ids])
+            with torch.no_grad():
+                logits = model(ids).logits[0, len(s.prompt_token_ids) - 1: -1]
+            ref = torch.log_softmax(logits.double(), -1).gather(1, torch.tensor(s.response_token_ids)[:, None])[:, 0]
+            gap = (ref - torch.tensor(s.logprobs, dtype=torch.float64)).abs()[mask]
+            worst = max(worst, float(gap.max()))
+    return worst
+
+
+@pytest.mark.vllm
+async def test_vllm_actors_on_two_nodes_push_weights_and_recover_a_killed_actor(cluster):
+    pytest.importorskip("vllm")
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import load_file
+
+    original = load_file(os.path.join(vllm_model(), "model.safetensors"))
+    g = torch.Generator().manual_seed(1)
+    perturbed = {k: v + 0.5 * v.std() * torch.randn(v.shape, generator=g) if v.ndim == 2 else v
+                 for k, v in original.items()}
+    service = RolloutService(ray_config(cluster, kind="vllm", num_engines=2, model=vllm_model(),
+                                        max_model_len=1024, max_seqs=32))
+    await service.start()
+    core = service.core
+    try:
+        engines = list(core.engines.values())
+        assert len({e.node_id for e in engines}) == 2  # one engine on each node
+        async with RolloutClient(f"127.0.0.1:{service.grpc_port}", consumer_id=unique("vray")) as client:
+            prefix = unique("v")
+            prompts = [[1, 40, 41, 42, 14], [1, 55, 20, 33, 14], [1, 60, 61, 12, 30], [1, 25, 26, 27, 28]]
+            await client.submit([PromptGroup(prompt_token_ids=prompts[i % 4], num_samples=4, max_tokens=300,
+                                             temperature=1.0, group_id=f"{prefix}-{i}") for i in range(16)])
+            await wait_until(lambda: core.counters["tokens_generated"] > 200, 60, "tokens")
+            reply = await client.push_weights(perturbed, version=1)  # mid-rollout
+            assert reply.applied_version == 1
+            victim = core.engines["vllm-0"]
+            await wait_until(lambda: any(r.engine_id == "vllm-0" and len(r.token_ids) - r.segment_start > 5
+                                         for r, _ in core.running.values()), 60, "tokens on vllm-0 after the push")
+            pid, restarts = victim.actor_pid, victim.restarts
+            os.kill(pid, signal.SIGKILL)
+            samples = await collect(client, prefix, 64, timeout=300)
+            await wait_until(lambda: victim.restarts == restarts + 1 and victim.load().state == "ready"
+                             and "vllm-0" not in core._restarting, 180, "the killed actor to come back")
+            assert victim.actor_pid not in (None, pid)
+            assert victim.load().policy_version == 1  # brought to the current weights
+            # The new actor serves, on version 1.
+            after = unique("after")
+            await client.submit([PromptGroup(prompt_token_ids=prompts[i % 4], num_samples=2, max_tokens=30,
+                                             temperature=1.0, group_id=f"{after}-{i}") for i in range(8)])
+            later = await collect(client, after, 16, timeout=120)
+            status = await client.status()
+        assert len(samples) == 64 and len({s.sample_id for s in samples}) == 64
+        assert all(s.finish_reason in ("stop", "length") for s in samples)
+        for s in samples:
+            check_versions(s, {0, 1})
+        assert any(s.min_version == 0 for s in samples) and any(s.max_version == 1 for s in samples)
+        assert any("vllm-0" in s.engines[:-1] for s in samples)  # continued elsewhere from a partial
+        assert status.counters["ray_actor_deaths"] >= 1 and status.counters["tokens_reprefilled"] > 0
+        assert all(s.min_version == s.max_version == 1 for s in later)
+        assert any(s.engines == ["vllm-0"] for s in later)
+        # Each token's tag names the weights that sampled it.
+        assert _logprob_gaps(samples + later, {0: original, 1: perturbed}) < 2e-3
+    finally:
+        await service.stop()
