@@ -37,10 +37,11 @@ class FleetMixin:
             self._requeue(req)
         try:
             await engine.start()
-            if self._last_weights is not None:
-                # A fresh engine serves the model's original weights: bring it
-                # to the current policy before it takes requests.
-                await engine.update_weights(self.policy_version, self._last_weights)
+            async with self._weights_lock:  # not halfway through a push
+                if self._last_weights is not None:
+                    # A fresh engine serves the model's original weights: bring
+                    # it to the current policy before it takes requests.
+                    await engine.update_weights(self.policy_version, self._last_weights)
             log.info("engine %s is back", engine.engine_id)
         except Exception:
             log.exception("restart of %s failed; will retry", engine.engine_id)

@@ -27,6 +27,7 @@ class WeightSyncMixin:
     async def update_weights(self, version: int, weights: StagedWeights) -> int:
         """Apply verified weights on every engine at a safe point, then bump
         the policy version; tokens sampled afterwards carry the new version.
+        Engines that are down get them when they come back (see `_restart`).
         Unfinished requests are carried over per `carry_over` (continue,
         pause-resume or restart, under `max_version_lag`). If an engine fails,
         the serving version stays and the error is raised (each token's tag
@@ -38,8 +39,11 @@ class WeightSyncMixin:
             plan = plan_carry_over(self.carry_over, unfinished, set(self.running), version)
             for req in plan.preempt:
                 await self.preempt(req)
+            # An engine that is down (a dead Ray node may stay down for long)
+            # does not block training: its restart applies these weights.
+            live = [e for eid, e in self.engines.items() if eid not in self._restarting and e.load().state != "dead"]
             try:
-                await asyncio.gather(*(e.update_weights(version, weights) for e in self.engines.values()))
+                await asyncio.gather(*(e.update_weights(version, weights) for e in live))
             except BaseException:
                 weights.cleanup()
                 self._requeue_front([r for r in plan.preempt if r.engine_id is None])

@@ -147,8 +147,10 @@ class StagedWeights:
     once to a staging file (in shared memory where the host has it) unless
     the push already came as a file (the same-host fast path)."""
 
-    def __init__(self, tensors: list[WeightTensor], source_path: str | None = None) -> None:
+    def __init__(self, tensors: list[WeightTensor], source_path: str | None = None,
+                 prefix: str = "rollout-weights-") -> None:
         self.tensors = tensors
+        self.prefix = prefix  # of the staging file's name
         self._path = source_path
         self._owned = False
         self._lock = None
@@ -169,7 +171,7 @@ class StagedWeights:
                 import tempfile
 
                 directory = "/dev/shm" if os.path.isdir("/dev/shm") else None
-                fd, path = tempfile.mkstemp(prefix="rollout-weights-", suffix=".safetensors", dir=directory)
+                fd, path = tempfile.mkstemp(prefix=self.prefix, suffix=".safetensors", dir=directory)
                 os.close(fd)
                 await asyncio.to_thread(write_safetensors, path, self.tensors)
                 self._path, self._owned = path, True
@@ -181,7 +183,7 @@ class StagedWeights:
         if self._path is None or not os.path.exists(self._path):
             import tempfile
 
-            fd, path = tempfile.mkstemp(prefix="rollout-weights-", suffix=".safetensors")
+            fd, path = tempfile.mkstemp(prefix=self.prefix, suffix=".safetensors")
             os.close(fd)
             write_safetensors(path, self.tensors)
             self._path, self._owned = path, True

@@ -77,6 +77,7 @@ class EngineHost:
         self._wake: asyncio.Event | None = None
         self._staged: dict[str, tuple[int, StagedWeights]] = {}  # target -> (version, staged file)
         self._stage_lock: asyncio.Lock | None = None
+        _remove_orphan_staging()
 
     def _event(self) -> asyncio.Event:
         if self._wake is None:
@@ -162,7 +163,8 @@ class EngineHost:
             if known is not None and known[0] == version:
                 return known[1], 0.0
             t0 = time.perf_counter()
-            staged = StagedWeights([WeightTensor(n, dt, tuple(shape), memoryview(a)) for n, dt, shape, a in payload])
+            staged = StagedWeights([WeightTensor(n, dt, tuple(shape), memoryview(a)) for n, dt, shape, a in payload],
+                                   prefix=f"{_STAGING_PREFIX}{os.getpid()}-")
             await staged.as_file()
             staged.tensors = []  # the file has them: let the object store copy go
             if known is not None:
@@ -196,6 +198,27 @@ class EngineHost:
             for _, staged in self._staged.values():
                 staged.cleanup()
             self._staged.clear()
+
+
+_STAGING_PREFIX = "rollout-weights-ray-"
+
+
+def _remove_orphan_staging() -> None:
+    """Staging files of actors on this node that died without closing (a
+    killed actor cannot clean up after itself)."""
+    import glob
+
+    for path in glob.glob(f"/dev/shm/{_STAGING_PREFIX}*"):
+        try:
+            pid = int(os.path.basename(path)[len(_STAGING_PREFIX):].split("-", 1)[0])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        except (ValueError, PermissionError):
+            pass
 
 
 def _spec_snapshot(monitor) -> dict[str, Any]:
