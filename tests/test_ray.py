@@ -73,6 +73,24 @@ async def wait_until(predicate, timeout: float, what: str) -> None:
         await asyncio.sleep(0.05)
 
 
+def test_ray_flag_and_toml_table_select_ray_placement(tmp_path):
+    import argparse
+
+    from rollout_service.cli import _add_service_flags, _config
+    from rollout_service.config import load_config
+
+    parser = argparse.ArgumentParser()
+    _add_service_flags(parser)
+    cfg = _config(parser.parse_args(["--ray", "--num-engines", "8"]))
+    assert (cfg.engine.placement_backend, cfg.engine.ray.address, cfg.engine.num_engines) == ("ray", "auto", 8)
+    cfg = _config(parser.parse_args(["--ray", "10.0.0.1:6379", "--set", "engine.ray.gpus_per_engine=2"]))
+    assert (cfg.engine.ray.address, cfg.engine.ray.gpus_per_engine) == ("10.0.0.1:6379", 2.0)
+    assert _config(parser.parse_args([])).engine.placement_backend == "local"
+    (tmp_path / "c.toml").write_text('[engine]\nplacement_backend = "ray"\n[engine.ray]\nstrategy = "PACK"\nengines_per_actor = 4\n')
+    cfg = load_config(tmp_path / "c.toml")
+    assert (cfg.engine.placement_backend, cfg.engine.ray.strategy, cfg.engine.ray.engines_per_actor) == ("ray", "PACK", 4)
+
+
 async def test_sim_actors_serve_push_weights_and_survive_a_killed_actor(cluster):
     service = RolloutService(ray_config(cluster, kind="sim", num_engines=4, cpus=0.5,
                                         sim=dict(FAST_SIM, decode_base_s=0.004)))
