@@ -157,3 +157,64 @@ def test_unknown_or_malformed_policy_names_are_clear_errors(bad, message):
         parse_policy(bad)
     if "unknown" in message:  # the error lists what is known
         assert all(repr(name) in str(exc.value) for name in ("least-assigned", "static", "sticky-rr"))
+
+
+# -- length-aware placement -------------------------------------------------------
+
+
+class _Lengths:
+    """A predictor stand-in: a fixed remaining length per request id (default 10)."""
+
+    def __init__(self, lengths: dict[str, float]) -> None:
+        self.lengths = lengths
+
+    def predict(self, req):
+        from rollout_service.scheduling.length_predictor import LengthEstimate
+
+        n = self.lengths.get(req.request_id, 10.0)
+        return LengthEstimate(n, 2 * n)
+
+    def predict_total(self, req):
+        return len(req.token_ids) + self.predict(req).median
+
+
+def _length_aware(lengths: dict[str, float], in_flight: dict[str, tuple[float, float]] | None = None):
+    from rollout_service.scheduling.length_aware import LengthAwarePlacement
+
+    policy = LengthAwarePlacement(_Lengths(lengths))
+    policy.bind(lambda engine_id: (in_flight or {}).get(engine_id, (0.0, 0.0)))
+    return policy
+
+
+def test_length_aware_places_the_longest_predicted_first_and_keeps_the_rest_queued():
+    q = queue_of(3, 2)  # six requests, four slots
+    lengths = {"g0/0": 5, "g0/1": 50, "g1/0": 500, "g1/1": 40, "g2/0": 400, "g2/1": 4}
+    policy = _length_aware(lengths)
+    policy.hold = False
+    decisions = policy.place(q, loads(2, max_seqs=2), {})
+    assert [r.request_id for r, _ in decisions] == ["g1/0", "g2/0", "g0/1", "g1/1"]
+    assert len(by_engine(decisions)["e0"]) == len(by_engine(decisions)["e1"]) == 2  # never over max_seqs
+    assert [r.request_id for r in q] == ["g0/0", "g2/1"]  # late binding: placed when a slot frees
+    # With holding on (the default), g1/1 would slow e0's 500-token response down while e1,
+    # full, ends sooner: it waits for e1's slot instead.
+    q = queue_of(3, 2)
+    decisions = _length_aware(lengths).place(q, loads(2, max_seqs=2), {})
+    assert by_engine(decisions) == {"e0": ["g1/0"], "e1": ["g2/0", "g0/1"]}
+    assert [r.request_id for r in q] == ["g0/0", "g1/1", "g2/1"]
+
+
+def test_length_aware_spreads_a_groups_samples():
+    decisions = _length_aware({}).place(queue_of(1, 4), loads(4), {})
+    assert groups_on(decisions) == {"g0": {"e0", "e1", "e2", "e3"}}
+
+
+def test_an_engine_running_a_long_response_does_not_take_the_overflow():
+    # e0 runs a response predicted to need 3,000 more tokens; e1 is full of short work that
+    # ends sooner. A short request waits for a slot on e1 rather than slowing e0 down.
+    q = queue_of(1, 1)
+    policy = _length_aware({}, in_flight={"e0": (3000.0, 3000.0), "e1": (40.0, 10.0)})
+    assert policy.place(q, loads(2, max_seqs=4), {"e0": 1, "e1": 4}) == [] and len(q) == 1
+    # With a free slot on e1 it goes there; with no engine ending sooner it goes to e0.
+    assert policy.place(q, loads(2, max_seqs=4), {"e0": 1, "e1": 3})[0][1] == "e1"
+    policy = _length_aware({}, in_flight={"e0": (3000.0, 3000.0)})
+    assert policy.place(queue_of(1, 1), loads(1, max_seqs=4), {"e0": 1})[0][1] == "e0"

@@ -1,12 +1,21 @@
 """The rebalancer and the length predictor as pure functions (no event loop)."""
 from __future__ import annotations
 
+import pytest
+
 from rollout_service.core.types import Group, GroupSpec, Request, SamplingParams
 from rollout_service.scheduling.length_predictor import LengthPredictor, spearman
-from rollout_service.scheduling.rebalancer import EngineView, RebalanceConfig, RequestView, plan_moves
+from rollout_service.scheduling.rebalancer import (
+    EngineView,
+    RebalanceConfig,
+    RequestView,
+    is_drained,
+    plan_moves,
+    predicted_time,
+)
 
 CFG = RebalanceConfig(drained_fraction=0.25, imbalance_ratio=2.0, min_remaining_tokens=32, max_migrations=2,
-                      cooldown_s=1.0, prefill_cost=0.02)
+                      cooldown_s=1.0, prefill_cost=0.02, per_sequence_cost=0.5, min_gain=0.05)
 
 
 def _engines(*running):
@@ -45,6 +54,53 @@ def test_reprefill_cost_must_be_repaid():
     cheap = RequestView("small", "e0", 60, 120, context_tokens=100)
     moves = plan_moves(CFG, _engines(2, 0), [expensive, cheap], now=10.0)
     assert [m.request_id for m in moves] == ["small"]
+
+
+def test_a_request_that_has_not_started_moves_for_free():
+    # Waiting on e0 behind the others: no re-prefill is lost by moving it, whatever its context.
+    waiting = RequestView("waiting", "e0", 60, 120, context_tokens=10_000, started=False)
+    running = RequestView("running", "e0", 60, 120, context_tokens=10_000)
+    moves = plan_moves(CFG, _engines(2, 0), [waiting, running], now=10.0)
+    assert [m.request_id for m in moves] == ["waiting"]
+
+
+def test_moves_must_pay_for_themselves():
+    # With a cheap extra sequence per step, splitting two long requests saves little:
+    # below min_gain, nothing moves.
+    cheap_seqs = RebalanceConfig(per_sequence_cost=0.04, min_gain=0.05)
+    reqs = [_req(0, "e0", 600), _req(1, "e0", 600)]
+    assert plan_moves(cheap_seqs, _engines(2, 0), reqs, now=10.0) == []
+    # A step that costs much more per sequence makes the same move worth it.
+    assert len(plan_moves(RebalanceConfig(per_sequence_cost=0.5), _engines(2, 0), reqs, now=10.0)) == 1
+
+
+def test_lightly_loaded_fleet_of_long_requests_stays_put():
+    # Every engine below drained_fraction * max_seqs (16 of 64) with similar predicted
+    # work: none is drained relative to the others, so nothing moves.
+    cfg = RebalanceConfig()
+    engines = [EngineView(f"e{i}", 16, 0, 64) for i in range(4)]
+    reqs = [RequestView(f"r{i}.{j}", f"e{i}", 9000 + 300 * ((i * 7 + j) % 5), 16000, 500)
+            for i in range(4) for j in range(16)]
+    assert plan_moves(cfg, engines, reqs, now=10.0) == []
+
+
+def test_an_engine_with_a_full_kv_cache_is_not_drained():
+    cfg = RebalanceConfig()
+    assert is_drained(cfg, EngineView("e0", 2, 0, 64, kv_used=100, kv_capacity=65536))
+    assert not is_drained(cfg, EngineView("e0", 2, 0, 64, kv_used=60_000, kv_capacity=65536))
+    assert not is_drained(cfg, EngineView("e0", 2, 1, 64))  # something waits there
+
+
+def test_predicted_time_counts_steps_sequences_kv_and_prefill():
+    cfg = RebalanceConfig(per_sequence_cost=0.1, prefill_cost=0.01)
+    engine = EngineView("e0", 2, 0, 64)
+    reqs = [RequestView("a", "e0", 1000, 2000, 100), RequestView("b", "e0", 500, 900, 100, started=False)]
+    # 1000 steps for the longest, 1500 tokens at 0.1 each, b's 100-token prefill.
+    assert predicted_time(cfg, engine, reqs) == pytest.approx(1000 + 150 + 1)
+    # A small KV cache stretches the steps: the remaining KV load over the capacity.
+    small = EngineView("e0", 2, 0, 64, kv_capacity=400)
+    load = 1000 * 100 + 1000 ** 2 / 2 + 500 * 100 + 500 ** 2 / 2
+    assert predicted_time(cfg, small, reqs) == pytest.approx(load / 400 + 150 + 1)
 
 
 def test_balanced_fleet_stays_put():

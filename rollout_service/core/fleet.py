@@ -51,11 +51,26 @@ class FleetMixin:
 
     # -- length-aware scheduling -----------------------------------------------------
 
+    def predicted_load(self, engine_id: str) -> tuple[float, float]:
+        """Predicted remaining tokens of the requests placed on an engine, and
+        the longest of them (computed for every engine at once, once per dispatch)."""
+        if self.predictor is None:
+            return 0.0, 0.0
+        cache = self._work_cache
+        if cache is None:
+            cache = {}
+            for r, _ in self.running.values():
+                if r.engine_id is not None:
+                    left = self.predictor.predict(r).median
+                    work, longest = cache.get(r.engine_id, (0.0, 0.0))
+                    cache[r.engine_id] = (work + left, max(longest, left))
+            if self._dispatching:
+                self._work_cache = cache
+        return cache.get(engine_id, (0.0, 0.0))
+
     def predicted_work(self, engine_id: str) -> float:
         """Predicted remaining tokens of the requests placed on an engine."""
-        if self.predictor is None:
-            return 0.0
-        return sum(self.predictor.predict(r).median for r, _ in self.running.values() if r.engine_id == engine_id)
+        return self.predicted_load(engine_id)[0]
 
     async def _rebalance_loop(self) -> None:
         while True:
@@ -73,7 +88,8 @@ class FleetMixin:
         for eid, engine in self.engines.items():
             load = engine.load()
             engines.append(EngineView(eid, self.assigned[eid], load.waiting, load.max_seqs,
-                                      ready=load.state == "ready" and eid not in self._restarting))
+                                      ready=load.state == "ready" and eid not in self._restarting,
+                                      kv_used=load.kv_used_tokens, kv_capacity=load.kv_capacity_tokens))
         if not any(is_drained(self.rebalance, e) for e in engines):
             return []  # nothing can take work: skip the predictions
         views = []
@@ -85,6 +101,7 @@ class FleetMixin:
                 req.request_id, req.engine_id, est.median, est.high,
                 len(req.group.spec.prompt_token_ids) + len(req.token_ids), req.num_migrations,
                 req.engines[-2] if len(req.engines) > 1 else None, req.moved_at,
+                started=len(req.token_ids) > req.segment_start,
             ))
         moves = plan_moves(self.rebalance, engines, views, now)
         for move in moves:

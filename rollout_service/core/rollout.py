@@ -74,7 +74,7 @@ class RolloutCore(FleetMixin, WeightSyncMixin):
         # One predictor serves placement and rebalancing; it learns from every finish.
         self.predictor = predictor or getattr(placement, "predictor", None) or (LengthPredictor() if rebalance else None)
         if hasattr(placement, "bind"):
-            placement.bind(self.predicted_work)
+            placement.bind(self.predicted_load)
         self.delivery = DeliveryLog(self.clock.now, self.limits.consumer_ttl_s)
         self.groups: dict[str, Group] = {}
         self._done_groups: OrderedDict[str, None] = OrderedDict()
@@ -88,6 +88,8 @@ class RolloutCore(FleetMixin, WeightSyncMixin):
         self._dispatcher: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None
         self._rebalancer: asyncio.Task | None = None
+        self._work_cache: dict[str, tuple[float, float]] | None = None
+        self._dispatching = False
         self._restarting: set[str] = set()
         self._last_weights: StagedWeights | None = None
         self._restored_weights: StagedWeights | None = None
@@ -200,7 +202,13 @@ class RolloutCore(FleetMixin, WeightSyncMixin):
         if not self.queue:
             return
         loads = [e.load() for eid, e in self.engines.items() if eid not in self._restarting]
-        for req, engine_id in self.placement.place(self.queue, loads, self.assigned):
+        # Predicted load per engine: computed once for this placement.
+        self._work_cache, self._dispatching = None, True
+        try:
+            decisions = self.placement.place(self.queue, loads, self.assigned)
+        finally:
+            self._work_cache, self._dispatching = None, False
+        for req, engine_id in decisions:
             self._start(req, self.engines[engine_id])
 
     def _start(self, req: Request, engine: Engine) -> None:

@@ -47,12 +47,19 @@ class LengthPredictor:
         # predictions run on every placement and rebalancing tick.
         self._window = global_window
         self._by_bucket: dict[int, deque[int]] = {}
+        # A fresh request's estimate, per group: (finished siblings, observations, estimate).
+        # Placement asks for every queued request on every dispatch; the estimate only
+        # moves when a sibling finishes, or slowly as other prompts finish.
+        self._fresh: dict[str, tuple[int, int, LengthEstimate]] = {}
+        self._observed = 0
+        self.refresh_every = 16
 
     # -- learning -------------------------------------------------------------
 
     def observe(self, req: Request, length: int, group_done: bool) -> None:
         """A sample finished with `length` response tokens."""
         spec = req.group.spec
+        self._observed += 1
         bucket = max(1, len(spec.prompt_token_ids)).bit_length()
         self._by_bucket.setdefault(bucket, deque(maxlen=self._window)).append(length)
         if spec.prompt_id:
@@ -63,11 +70,15 @@ class LengthPredictor:
                 self._per_prompt.popitem(last=False)
         if group_done:
             self._siblings.pop(spec.group_id, None)
+            self._fresh.pop(spec.group_id, None)
         else:
             self._siblings.setdefault(spec.group_id, []).append(length)
+        if len(self._fresh) > 100_000:
+            self._fresh.clear()
 
     def forget_group(self, group_id: str) -> None:
         self._siblings.pop(group_id, None)
+        self._fresh.pop(group_id, None)
 
     # -- predicting -------------------------------------------------------------
 
@@ -89,6 +100,18 @@ class LengthPredictor:
         """Remaining tokens of `req`, given what it has generated so far."""
         done = len(req.token_ids)
         budget = req.remaining_tokens
+        if done == 0:
+            gid = req.group.group_id
+            siblings = len(self._siblings.get(gid, ()))
+            hit = self._fresh.get(gid)
+            if hit is not None and hit[0] == siblings and self._observed - hit[1] < self.refresh_every:
+                return LengthEstimate(min(hit[2].median, budget), min(hit[2].high, budget))
+            est = self._estimate(req, 0, budget)
+            self._fresh[gid] = (siblings, self._observed, est)
+            return est
+        return self._estimate(req, done, budget)
+
+    def _estimate(self, req: Request, done: int, budget: int) -> LengthEstimate:
         candidates = sorted(c for c in self._candidates(req) if c > done)
         if candidates:
             med = _quantile(candidates, 0.5) - done

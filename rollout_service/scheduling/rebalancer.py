@@ -1,13 +1,23 @@
 """Rebalancing with partial-rollout migration (a pure decision function).
 
-When an engine drains (its batch falls below a threshold with nothing
-waiting) while another still holds much more predicted work, move the
-longest in-flight requests from the loaded engine to the drained one: abort
-with the partial response on the source, continue from the same prefix on
-the target (re-prefill). Moves must pay for themselves: a request is moved
-only if its predicted remaining decode outweighs the re-prefill of its
-context, never when it is about to finish, never more than
-`max_migrations` times, and never straight back to an engine it just left.
+When an engine drains (few requests, little KV in use, nothing waiting)
+while another engine is predicted to run much longer, move requests from the
+loaded engine to the drained one: abort with the partial response on the
+source, continue from the same prefix on the target (re-prefill).
+
+An engine's predicted time left is counted in decode steps of a lone
+sequence (`predicted_time`): the steps it still needs (its longest predicted
+remaining response, and no fewer than its remaining tokens over `max_seqs`
+or its remaining KV load over its KV capacity), plus what each step costs on
+top for every sequence in it (`per_sequence_cost`) and for every context
+token (`per_context_token_cost`), plus prefills still to do
+(`prefill_cost` per token). A move must pay for itself in that model: it has
+to shorten the longer of the two engines' predicted times by `min_gain`.
+Requests that have not started on their engine (no token yet: still waiting
+there) move for free; a started one pays the re-prefill of its context on the
+target, is moved only if its predicted remaining decode outweighs that, never
+when it is about to finish, never more than `max_migrations` times, and never
+straight back to an engine it just left.
 """
 from __future__ import annotations
 
@@ -18,10 +28,14 @@ from dataclasses import dataclass, field
 class RebalanceConfig:
     enabled: bool = False  # the service runs the rebalancer only when set
     interval_s: float = 0.1  # how often the core asks for decisions
-    drained_fraction: float = 0.25  # an engine below this share of max_seqs, nothing waiting, takes work
-    imbalance_ratio: float = 2.0  # the source must hold this many times the target's predicted work
+    drained_fraction: float = 0.25  # a target runs fewer than this share of max_seqs, nothing waiting...
+    drained_kv_fraction: float = 0.5  # ...and uses less than this share of its KV cache
+    imbalance_ratio: float = 2.0  # the source's predicted time left is this many times the target's (0: no checks)
+    min_gain: float = 0.05  # a move shortens the larger of the two predicted times by this share
     min_remaining_tokens: int = 32  # never move a request predicted to finish sooner
-    prefill_cost: float = 0.02  # re-prefilling one token costs this many decode tokens of time
+    prefill_cost: float = 0.02  # re-prefilling one token costs this many lone decode steps
+    per_sequence_cost: float = 0.04  # one more sequence in a step costs this share of a lone step
+    per_context_token_cost: float = 0.0  # one context token in a step costs this share of a lone step
     max_migrations: int = 2  # per request
     max_moves_per_tick: int = 16
     cooldown_s: float = 1.0  # a moved request stays put at least this long
@@ -34,6 +48,8 @@ class EngineView:
     waiting: int  # of those, not yet in the engine's batch
     max_seqs: int
     ready: bool = True
+    kv_used: int = 0  # tokens of KV cache in use
+    kv_capacity: int = 0  # 0: unknown (no KV terms)
 
 
 @dataclass(slots=True)
@@ -46,6 +62,7 @@ class RequestView:
     migrations: int = 0
     previous_engine: str | None = None  # the engine it was moved from last
     moved_at: float = float("-inf")
+    started: bool = True  # has produced a token on its current engine
 
 
 @dataclass(slots=True)
@@ -59,13 +76,35 @@ class Move:
 @dataclass(slots=True)
 class _Load:
     view: EngineView
-    work: float = 0.0
     requests: list[RequestView] = field(default_factory=list)
+    time: float = 0.0
+    reprefill: int = 0  # tokens the moves of this tick make it prefill again
 
 
 def is_drained(cfg: RebalanceConfig, engine: EngineView) -> bool:
-    """Can this engine take work: ready, nothing waiting, batch below the threshold."""
-    return engine.ready and engine.waiting == 0 and engine.running < cfg.drained_fraction * engine.max_seqs
+    """Can this engine take work: ready, nothing waiting, batch below the
+    threshold and (when its cache size is known) KV cache below the threshold."""
+    if not engine.ready or engine.waiting or engine.running >= cfg.drained_fraction * engine.max_seqs:
+        return False
+    return engine.kv_capacity <= 0 or engine.kv_used < cfg.drained_kv_fraction * engine.kv_capacity
+
+
+def predicted_time(cfg: RebalanceConfig, engine: EngineView, requests: list[RequestView],
+                   reprefill: int = 0) -> float:
+    """Predicted time until `engine` finishes `requests`, in decode steps of a
+    lone sequence, plus the prefill of `reprefill` tokens."""
+    if not requests:
+        return cfg.prefill_cost * reprefill
+    remaining = [max(0.0, r.remaining) for r in requests]
+    tokens = sum(remaining)
+    # KV load left: each step holds every running request's context.
+    kv_load = sum(x * r.context_tokens + x * x / 2 for x, r in zip(remaining, requests))
+    steps = max(max(remaining), tokens / max(1, engine.max_seqs))
+    if engine.kv_capacity > 0:
+        steps = max(steps, kv_load / engine.kv_capacity)
+    pending = sum(r.context_tokens for r in requests if not r.started) + reprefill
+    return (steps + cfg.per_sequence_cost * tokens + cfg.per_context_token_cost * kv_load
+            + cfg.prefill_cost * pending)
 
 
 def plan_moves(cfg: RebalanceConfig, engines: list[EngineView], requests: list[RequestView], now: float) -> list[Move]:
@@ -73,36 +112,43 @@ def plan_moves(cfg: RebalanceConfig, engines: list[EngineView], requests: list[R
     loads = {e.engine_id: _Load(e) for e in engines}
     for r in requests:
         if r.engine_id in loads:
-            loads[r.engine_id].work += r.remaining
             loads[r.engine_id].requests.append(r)
+    for load in loads.values():
+        load.time = predicted_time(cfg, load.view, load.requests)
     ready = [l for l in loads.values() if l.view.ready]
-    drained = sorted(
-        (l for l in ready if is_drained(cfg, l.view) and len(l.requests) < cfg.drained_fraction * l.view.max_seqs),
-        key=lambda l: l.work,
-    )
+    drained = sorted((l for l in ready if is_drained(cfg, l.view)), key=lambda l: (l.time, l.view.engine_id))
     moves: list[Move] = []
     for target in drained:
         while len(moves) < cfg.max_moves_per_tick:
-            source = max((l for l in ready if l is not target and len(l.requests) > 1), key=lambda l: l.work, default=None)
-            if source is None or source.work <= cfg.imbalance_ratio * max(target.work, 1.0):
+            source = max((l for l in ready if l is not target and len(l.requests) > 1),
+                         key=lambda l: (l.time, l.view.engine_id), default=None)
+            if source is None or source.time < cfg.imbalance_ratio * target.time:
                 break
             pick = _best_candidate(cfg, source, target, now)
             if pick is None:
                 break
-            moves.append(Move(pick.request_id, source.view.engine_id, target.view.engine_id,
-                              f"{source.view.engine_id} holds {source.work:.0f} predicted tokens, "
-                              f"{target.view.engine_id} {target.work:.0f}"))
-            source.requests.remove(pick)
-            source.work -= pick.remaining
-            target.requests.append(pick)
-            target.work += pick.remaining
+            r, source_time, target_time = pick
+            moves.append(Move(r.request_id, source.view.engine_id, target.view.engine_id,
+                              f"predicted {source.time:.0f} steps left on {source.view.engine_id}, "
+                              f"{target.time:.0f} on {target.view.engine_id}"))
+            source.requests.remove(r)
+            source.time = source_time
+            # On the target it has started (its prefix is prefilled there).
+            target.requests.append(RequestView(r.request_id, target.view.engine_id, r.remaining, r.remaining_high,
+                                               r.context_tokens, r.migrations + 1, source.view.engine_id, now))
+            target.time = target_time
+            target.reprefill += r.context_tokens
             if len(target.requests) >= cfg.drained_fraction * target.view.max_seqs:
                 break
     return moves
 
 
-def _best_candidate(cfg: RebalanceConfig, source: _Load, target: _Load, now: float) -> RequestView | None:
-    best = None
+def _best_candidate(cfg: RebalanceConfig, source: _Load, target: _Load,
+                    now: float) -> tuple[RequestView, float, float] | None:
+    """The request whose move leaves the smaller maximum of the two engines'
+    predicted times (and that time on each), if any move pays for itself."""
+    checks = cfg.imbalance_ratio > 0
+    best, best_key = None, None
     for r in source.requests:
         if r.remaining < cfg.min_remaining_tokens:
             continue  # about to finish
@@ -110,8 +156,17 @@ def _best_candidate(cfg: RebalanceConfig, source: _Load, target: _Load, now: flo
             continue
         if r.previous_engine == target.view.engine_id:
             continue  # no ping-pong
-        if r.remaining <= cfg.prefill_cost * r.context_tokens:
+        if r.started and r.remaining <= cfg.prefill_cost * r.context_tokens:
             continue  # the re-prefill would cost more than it saves
-        if best is None or (r.remaining_high, r.remaining) > (best.remaining_high, best.remaining):
-            best = r
+        rest = [x for x in source.requests if x is not r]
+        moved = RequestView(r.request_id, target.view.engine_id, r.remaining, r.remaining_high, r.context_tokens)
+        source_time = predicted_time(cfg, source.view, rest, reprefill=source.reprefill)
+        target_time = predicted_time(cfg, target.view, target.requests + [moved],
+                                     reprefill=target.reprefill + r.context_tokens)
+        after = max(source_time, target_time)
+        if checks and after > (1 - cfg.min_gain) * source.time:
+            continue  # does not pay for itself
+        key = (after, r.started, -r.remaining_high, -r.remaining)
+        if best_key is None or key < best_key:
+            best, best_key = (r, source_time, target_time), key
     return best
