@@ -6,6 +6,10 @@ one or more policies and write a report.
 
 `--workload` and `--engines` also take comma-separated lists: every
 combination runs and gets its own folder DIR/<workload>-<engines>e/.
+
+    python -m load_tests table DIR            # markdown table of every report under DIR
+    python -m load_tests predictor --workload math,code,video --engines 8
+                                              # length predictor's rank correlation on a replay
 """
 from __future__ import annotations
 
@@ -59,6 +63,17 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--quiet", action="store_true", help="no per-step progress")
     t = sub.add_parser("table", help="a markdown table of the report.json files under a directory")
     t.add_argument("dir")
+    a = sub.add_parser("predictor", help="rank correlation of the length predictor with the true lengths on a replay")
+    a.add_argument("--workload", default="math,code,video", help="comma list, as for run")
+    a.add_argument("--engines", default="8", help="engines in the fleet (comma list: each)")
+    a.add_argument("--policy", default="rebalance", help="the policy the replay runs under")
+    a.add_argument("--max-seqs", type=int, default=64)
+    a.add_argument("--kv-tokens", type=int, default=262_144)
+    a.add_argument("--steps", type=int)
+    a.add_argument("--groups-per-step", type=int)
+    a.add_argument("--length-scale", type=float, default=1.0)
+    a.add_argument("--seed", type=int, default=0)
+    a.add_argument("--report", help="output directory (predictor.json)")
     return p
 
 
@@ -139,6 +154,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "table":
         print(markdown_table(Path(args.dir)))
         return 0
+    if args.command == "predictor":
+        from load_tests import predictor_accuracy
+
+        return predictor_accuracy.main(args)
     workloads = split_workloads(args.workload)
     fleets = [int(n) for n in args.engines.split(",") if n.strip()]
     try:

@@ -2,27 +2,48 @@
 
 The lower bound comes from the same cost model as the simulated engine
 (`SimParams`: one engine step costs `decode_base_s + decode_per_seq_s * running
-+ decode_per_ctx_token_s * context + prefill_per_token_s * prefilled`):
++ decode_per_ctx_token_s * context + prefill_per_token_s * prefilled`; write
+b, s, c, p). Every sample makes one token per engine step it is in; a step
+holds at most `max_seqs` sequences (M) and, on a simulated engine, at most
+`kv_capacity_tokens` (K) of context (each sequence's context plus the token
+it writes; the engine's admission can overshoot by fewer than M tokens for one
+step, so K + M is used). The bound is the largest of three:
 
 - longest request: a response of L tokens after a P-token prompt needs L
   engine steps one after another; at batch 1 (the cheapest a step can be)
-  that is `prefill_per_token_s * P + L * (decode_base_s + decode_per_seq_s)
-  + decode_per_ctx_token_s * (L * P + L * (L - 1) / 2)`; in an open loop it
-  cannot start before its group arrives;
-- total work: every token costs at least `decode_base_s / max_seqs +
-  decode_per_seq_s` (a full batch shares the step's base cost) plus its own
-  context and prefill terms; the fleet does that work in parallel on N
-  engines: `sum(work) / N`.
+  that is `p * P + L * (b + s) + c * (L * P + L * (L - 1) / 2)`; in an open
+  loop it cannot start before its group arrives;
+- total work: the N engines together are busy at most N * makespan, and
+  that busy time is at least `b * steps + s * tokens + c * contexts + p *
+  prompts`, where the number of engine steps is at least `tokens / M` and at
+  least `Q / (K + M)` (Q: each token's context, summed over the step's
+  tokens, each capped at K + M): the KV cache bounds the tokens a step can
+  carry, so a fleet whose caches are too small for the step's responses
+  needs more steps than its batch size alone says;
+- shared steps: the a longest responses (set A, W_A tokens) cannot all run
+  alone. Each of them lasts at most the makespan T, and each of its steps
+  costs at least `b + s * j` (j: how many of A are in that step), so
+  `a * T >= b * W_A + s * sum(j^2) + (their own prefill and context terms)`;
+  with X engine steps holding any of A, `sum(j^2) >= max(W_A, W_A^2 / X)`
+  (Cauchy-Schwarz) and the total-work inequality above holds with `steps >=
+  X`. Few steps (A packed together) make A's steps slow, many steps make the
+  fleet's work large; the bound is the least makespan over X that satisfies
+  both, maximised over a (a = 1 is the longest request). It holds whatever
+  the placement, with migrations (a response's steps never overlap in time,
+  wherever they run) and preemptions (they add steps and prefill).
 
 With speculative decoding on in the simulated engine, the decode terms are
 divided by the best tokens per verify step (every draft at the deepest
 depth accepted at the up-to-date drafter's rate, drafts free), the
 architecture's "sequential decode time / speculative acceptance length".
 
-A simulated step can never beat either (each term is what the engine
+A simulated step can never beat any of them (each term is what the engine
 charges at its best), so `makespan / lower_bound >= 1`; the ratio is how far
-a policy is from the limit on that fleet. For real engines the bound uses
-the calibrated cost model (`load_tests/calibrate.py`) and is an estimate.
+a policy is from the limit on that fleet. It is a bound for a scheduler that
+knows every response's length in advance: an online policy also pays for not
+knowing which responses are long. For real engines the bound uses the
+calibrated cost model (`load_tests/calibrate.py`), without a KV term, and is
+an estimate.
 """
 from __future__ import annotations
 
@@ -48,18 +69,22 @@ class CostModel:
     max_seqs: int
     # Tokens per verify step at best (1 without speculation): decode costs are divided by it.
     spec_speedup: float = 1.0
+    # KV cache per engine (tokens) when the engines enforce it (simulated ones); 0: no KV term.
+    kv_tokens: int = 0
 
     @classmethod
-    def of(cls, params) -> "CostModel":
+    def of(cls, params, kv_tokens: int = 0) -> "CostModel":
         """From a `SimParams` (or anything with its fields). With speculative
         decoding on, the best case: every verify step at the deepest draft and
-        the acceptance of an up-to-date drafter, drafting for free."""
+        the acceptance of an up-to-date drafter, drafting for free.
+        `kv_tokens`: the engines' KV capacity, for engines that enforce the
+        cost model's (simulated ones)."""
         speedup = 1.0
         if getattr(params, "spec_method", "off") != "off":
             depths = [params.spec_max_k] + [int(e[2]) for e in getattr(params, "spec_schedule", [])]
             speedup = max(1.0 + sum(params.acceptance_profile(k, 0)) for k in depths)
         return cls(params.decode_base_s, params.decode_per_seq_s, params.decode_per_ctx_token_s,
-                   params.prefill_per_token_s, params.max_seqs, speedup)
+                   params.prefill_per_token_s, params.max_seqs, speedup, int(kv_tokens))
 
     def alone_s(self, prompt: np.ndarray, length: np.ndarray) -> np.ndarray:
         """Each request's sequential time at batch 1 (seconds)."""
@@ -78,22 +103,70 @@ class CostModel:
 @dataclass(slots=True)
 class Bound:
     lower_bound_s: float
-    work_s: float  # total work / fleet throughput
+    work_s: float  # total work / fleet throughput (batch size and KV cache)
     longest_s: float  # the longest request alone (after its arrival)
+    shared_s: float = 0.0  # the longest requests cannot all run alone (module docstring)
+
+
+def kv_load(prompt: np.ndarray, length: np.ndarray, cap: float) -> np.ndarray:
+    """Per request, the sum over its tokens of the context each token's step
+    holds for it (prompt + tokens so far + the new one), each capped at `cap`."""
+    P, L = prompt.astype(float), length.astype(float)
+    m = np.clip(cap - P, 0.0, L)  # tokens whose context stays within the cap
+    return m * P + m * (m + 1) / 2 + (L - m) * cap
 
 
 def lower_bound(record: StepRecord, cost: CostModel, engines: int) -> Bound:
     """The bound of a record's makespan from the samples it delivered."""
     if not record.samples:
         return Bound(0.0, 0.0, 0.0)
-    P = np.array([c.prompt_len for c in record.samples])
-    L = np.array([c.response_len for c in record.samples])
+    P = np.array([c.prompt_len for c in record.samples], dtype=float)
+    L = np.array([c.response_len for c in record.samples], dtype=float)
     offset = np.array([record.group_submitted_at.get(c.group_id, record.submitted_at) - record.submitted_at
                        for c in record.samples])
-    work = float(cost.work_s(P, L).sum()) / engines
+    sp = cost.spec_speedup
+    b, s = cost.decode_base_s / sp, cost.decode_per_seq_s / sp
+    # Each request's own prefill and context terms, paid in steps it is in.
+    own = cost.prefill_per_token_s * P + cost.decode_per_ctx_token_s / sp * (L * P + L * (L - 1) / 2)
+    W = float(L.sum())
+    steps = W / cost.max_seqs  # engine steps the fleet needs at least
+    if cost.kv_tokens > 0:
+        cap = float(cost.kv_tokens + cost.max_seqs)
+        steps = max(steps, float(kv_load(P, L, cap).sum()) / cap)
+    fixed = s * W + float(own.sum())
+    work = (b * steps + fixed) / engines
     longest = float((offset + cost.alone_s(P, L)).max())
-    lb = max(work, longest) * (1 - _ROUNDING)
-    return Bound(lb, work, longest)
+    shared = _shared_steps(L, offset + own, b, s, steps, fixed, engines)
+    lb = max(work, longest, shared) * (1 - _ROUNDING)
+    return Bound(lb, work, longest, shared)
+
+
+def _shared_steps(L: np.ndarray, own: np.ndarray, b: float, s: float, steps: float, fixed: float,
+                  engines: int) -> float:
+    """The shared-steps bound (module docstring), for every a at once: the
+    least T over X in [longest of A, W_A] with
+    a*T >= sum(own, A) + b*W_A + s*W_A^2/X  and  N*T >= b*max(X, steps) + fixed."""
+    order = np.argsort(-L, kind="stable")
+    Ls = L[order]
+    a = np.arange(1, len(Ls) + 1, dtype=float)
+    WA = np.cumsum(Ls)
+    base = np.cumsum(own[order])
+    lo, hi = np.full_like(WA, Ls[0]), WA.copy()
+
+    def f(X):  # the set's own inequality, decreasing in X
+        return (base + b * WA + s * WA * WA / X) / a
+
+    def g(X):  # the fleet's, increasing in X
+        return (b * np.maximum(X, steps) + fixed) / engines
+
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        above = f(mid) > g(mid)
+        lo = np.where(above, mid, lo)
+        hi = np.where(above, hi, mid)
+    # hi: the least X where the fleet's inequality binds (or W_A); lo: where A's still does.
+    best = np.minimum(np.maximum(f(hi), g(hi)), np.maximum(f(lo), g(lo)))
+    return float(best.max())
 
 
 class FleetProbe:
@@ -187,6 +260,7 @@ def step_metrics(record: StepRecord, start: Counters, end: Counters, probe: Flee
         "lower_bound_s": bound.lower_bound_s,
         "bound_work_s": bound.work_s,
         "bound_longest_s": bound.longest_s,
+        "bound_shared_s": bound.shared_s,
         "ratio_to_bound": span / bound.lower_bound_s if bound.lower_bound_s > 0 else None,
         "weight_sync_s": 0.0,  # filled in by `summarise` once the push returned
         "samples_submitted": record.samples_submitted,

@@ -96,7 +96,7 @@ def cost_model(fleet, cfg: RunConfig) -> tuple[CostModel, str]:
     engine = next(iter(fleet.engines.values()))
     params = getattr(engine, "params", None)
     if isinstance(params, SimParams):
-        return CostModel.of(params), "simulated engine cost model"
+        return CostModel.of(params, params.kv_capacity_tokens), "simulated engine cost model"
     base = SimParams(max_seqs=cfg.max_seqs)
     if CALIBRATION.exists():
         fit = json.loads(CALIBRATION.read_text())["sim_params"]
@@ -125,14 +125,17 @@ def _progress(policy: str, m: dict, steps: int, wall0: float) -> None:
     )
 
 
-async def run_async(cfg: RunConfig, policy: PolicySpec) -> RunResult:
-    """`run_policy` on the running event loop (real clock: the caller's loop)."""
+async def run_async(cfg: RunConfig, policy: PolicySpec, on_fleet=None) -> RunResult:
+    """`run_policy` on the running event loop (real clock: the caller's loop).
+    `on_fleet(fleet)`, if given, is called once the fleet is up (to instrument it)."""
     cfg.check()
     spec = fleet_spec(cfg, policy)
     fleet_of = in_process_fleet if cfg.clock == "virtual" else grpc_fleet
     keep_tokens = cfg.engine_kind != "sim" and any(g.problem is not None for s in cfg.workload.steps for g in s)
     wall0 = time.perf_counter()
     async with fleet_of(spec, keep_tokens=keep_tokens) as fleet:
+        if on_fleet is not None:
+            on_fleet(fleet)
         w = cfg.workload
         if cfg.engine_kind != "sim":
             need = max(g.prompt_len for s in w.steps for g in s) + w.max_tokens
@@ -241,9 +244,9 @@ def _reward(records: list[driver.StepRecord], w: Workload) -> float:
     return float(np.mean(rewards)) if rewards else 0.0
 
 
-def run_policy(cfg: RunConfig, policy: PolicySpec) -> RunResult:
+def run_policy(cfg: RunConfig, policy: PolicySpec, on_fleet=None) -> RunResult:
     """Run one policy on a fresh fleet (virtual time or a real service)."""
     cfg.check()
     if cfg.clock == "virtual":
-        return run_virtual(run_async(cfg, policy))
-    return asyncio.run(run_async(cfg, policy))
+        return run_virtual(run_async(cfg, policy, on_fleet))
+    return asyncio.run(run_async(cfg, policy, on_fleet))

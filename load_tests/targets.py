@@ -19,6 +19,7 @@ from typing import AsyncIterator
 
 import numpy as np
 
+from load_tests import oracle  # noqa: F401  (registers the clairvoyant reference placement)
 from load_tests.driver import Completion, GroupRequest
 from rollout_service.config import EngineConfig, ServiceConfig
 from rollout_service.core.clock import Clock

@@ -178,3 +178,52 @@ def test_the_bound_holds_with_speculative_decoding_in_the_simulated_engines(meth
     assert result.summary["cost_model"]["spec_speedup"] > 1.5
     for step in result.steps:
         assert step["lower_bound_s"] <= step["makespan_s"]
+
+
+def test_kv_load_sums_each_tokens_capped_context():
+    import numpy as np
+
+    from load_tests.metrics import kv_load
+
+    for P, L, cap in [(10, 50, 1000), (10, 50, 30), (100, 5, 50), (0, 7, 3)]:
+        brute = sum(min(P + k, cap) for k in range(1, L + 1))
+        assert kv_load(np.array([P]), np.array([L]), cap)[0] == pytest.approx(brute)
+
+
+def test_shared_steps_bound_is_exact_for_two_requests_on_one_engine():
+    # Both run together from the start: one prefill step for both prompts, then 300 steps of two
+    # sequences. The longest-request and total-work bounds miss the second sequence's cost.
+    w = Workload("two", [[GroupShape(50, [300, 300])]], max_tokens=400, source="test")
+    step = run_policy(RunConfig(w, engines=1, progress=False), parse_policy("least-assigned")).steps[0]
+    assert step["bound_longest_s"] < step["bound_shared_s"]
+    assert step["lower_bound_s"] <= step["makespan_s"] <= step["lower_bound_s"] * 1.000001
+
+
+@pytest.mark.parametrize("policy", ["rebalance", "length-oracle+rebalance"])
+def test_length_aware_runs_deliver_every_sample_once_within_the_bound(policy):
+    w = quick()
+    # A small KV cache: the engines preempt, the bound's KV term is on.
+    cfg = RunConfig(w, engines=3, max_seqs=16, kv_tokens=4000, progress=False)
+    result = run_policy(cfg, parse_policy(policy))
+    ids = delivered_ids(result)
+    assert len(ids) == len(set(ids)) == result.summary["samples_submitted"]
+    for step in result.steps:
+        assert 0 < step["lower_bound_s"] <= step["makespan_s"]
+        assert step["bound_work_s"] <= step["lower_bound_s"] / (1 - 1e-9)
+
+
+def test_the_bound_counts_a_small_kv_cache():
+    w = Workload("long", [[GroupShape(100, [2000] * 8)]], max_tokens=2100, source="test")
+    big = run_policy(RunConfig(w, engines=1, progress=False), parse_policy("least-assigned")).steps[0]
+    small = run_policy(RunConfig(w, engines=1, kv_tokens=6000, progress=False), parse_policy("least-assigned")).steps[0]
+    assert small["bound_work_s"] > 1.5 * big["bound_work_s"]  # eight 2,100-token contexts need 17K tokens of cache
+    assert small["lower_bound_s"] <= small["makespan_s"]
+
+
+def test_predictor_accuracy_reports_rank_correlations():
+    from load_tests.predictor_accuracy import measure
+
+    r = measure("code", 2, steps=2, groups_per_step=4, length_scale=0.05)
+    assert r["placement"]["n"] == r["samples"] == 64
+    assert r["after_first_sibling"]["n"] > 0
+    assert -1.0 <= r["after_first_sibling"]["rho_total"] <= 1.0
