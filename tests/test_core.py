@@ -60,6 +60,26 @@ def test_sim_engine_respects_max_seqs_and_kv_capacity():
     assert {len(e.sample.response_token_ids) for e in got} == {50, 100, 200, 400}
 
 
+def test_sim_engine_streams_progress_at_least_every_max_run_steps():
+    from rollout_service.core.types import EngineRequest
+
+    async def run(max_run_steps):
+        engine = SimEngine("e0", SimParams(max_run_steps=max_run_steps))
+        await engine.start()
+        loop = asyncio.get_running_loop()
+        t0, sizes = loop.time(), []
+        async for delta in engine.add(EngineRequest("r", [3] * 20, [], SamplingParams(max_tokens=2000), 2000,
+                                                    {"target_length": "1000"})):
+            sizes.append(len(delta.token_ids))
+        await engine.close()
+        return loop.time() - t0, sizes
+
+    coarse_s, coarse = run_virtual(run(10**9))
+    fine_s, fine = run_virtual(run(128))
+    assert coarse == [1000] and sum(fine) == 1000 and max(fine) <= 128
+    assert abs(fine_s - coarse_s) < 1e-9  # same steps, same times: only the deltas are smaller
+
+
 def test_virtual_time_simulates_hours_of_fleet_time_in_seconds():
     engines = [SimEngine(f"e{i}", SimParams(decode_base_s=0.08, seed=i)) for i in range(16)]
 

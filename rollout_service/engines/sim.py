@@ -28,7 +28,8 @@ from a log-normal with a heavy tail, seeded by the request id.
 Steps are simulated in runs: while the batch does not change (no request
 finishes, arrives, is aborted or outgrows the cache, no weight update), the
 step times follow in closed form, so the engine sleeps once for the whole run
-and emits each request's tokens of the run as one delta. Anything that would
+(at most `max_run_steps` steps, so that the service sees progress) and emits
+each request's tokens of the run as one delta. Anything that would
 change the batch mid-run (`add`, `abort`, `update_weights`) cuts the run at
 the end of the step in progress, exactly where the step-by-step loop would
 have reacted; an aborted request keeps the tokens of every completed step.
@@ -86,6 +87,10 @@ class SimParams:
     decode_per_ctx_token_s: float = 0.0
     prefill_per_token_s: float = 0.00002
     weight_update_s: float = 0.05
+    # A run of steps delivers its tokens when it ends: at most this many steps,
+    # so the service sees each request's progress about as often as a real
+    # engine's streamed tokens show it (timing is the same either way).
+    max_run_steps: int = 128
     # Response length when no hint is given: log-normal (median, sigma).
     length_median: int = 64
     length_sigma: float = 1.0
@@ -399,6 +404,7 @@ class SimEngine:
         if n > 1:
             # Step i starts with ctx0 + (i-1)n tokens; it is preempted if that plus n exceeds the cache.
             steps = min(steps, max(1, (p.kv_capacity_tokens - ctx0) // n))
+        steps = min(steps, max(1, p.max_run_steps))
         if self.spec_monitor.cfg.enabled:
             # Short runs: the depth tuner learns from each run's measurements
             # and must not wait for a whole tail to see one.
