@@ -8,7 +8,9 @@ token (every sequence in a step makes the step longer for all) and
 `prefill_cost` per prompt token placed on it (a prefill stalls its batch).
 Each queued request, longest predicted first, goes to the engine with free
 slots where the larger of that engine's new time and the fleet's current
-maximum is least (ties: the engine's new time, then the engine id).
+maximum is least; among the engines it leaves below that maximum, to the one
+with the least predicted work (short requests are spread, not stacked under
+a long one whose prediction may be wrong).
 
 Late binding: an engine takes no more than its `max_seqs`; the rest waits in
 the service's queue and is placed as slots free (by then the predictor may
@@ -84,7 +86,7 @@ class LengthAwarePlacement:
             context = len(req.group.spec.prompt_token_ids) + len(req.token_ids)
             now_max = max(times.values())
             after = {e: time(e, add, context) for e in free}
-            target = min(free, key=lambda e: (max(after[e], now_max), after[e], e))
+            target = min(free, key=lambda e: (max(after[e], now_max), work[e], e))
             if self.affinity_slack is not None:
                 home = self._group_home.get(req.group.group_id)
                 if home in free and work[home] <= work[target] * (1 + self.affinity_slack) + add:
