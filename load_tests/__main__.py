@@ -8,6 +8,7 @@ one or more policies and write a report.
 combination runs and gets its own folder DIR/<workload>-<engines>e/.
 
     python -m load_tests table DIR            # markdown table of every report under DIR
+    python -m load_tests table DIR --speedup-over static   # speedups and ratios, one row per report
     python -m load_tests predictor --workload math,code,video --engines 8
                                               # length predictor's rank correlation on a replay
 """
@@ -18,7 +19,7 @@ import json
 import sys
 from pathlib import Path
 
-from load_tests.report import markdown_table, plot, table, write_json
+from load_tests.report import markdown_speedup_table, markdown_table, plot, table, write_json
 from load_tests.runner import RunConfig, run_policy
 from load_tests.workloads import WORKLOADS, load_workload
 from rollout_service.engines.sim import SimParams
@@ -63,6 +64,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--quiet", action="store_true", help="no per-step progress")
     t = sub.add_parser("table", help="a markdown table of the report.json files under a directory")
     t.add_argument("dir")
+    t.add_argument("--speedup-over", metavar="POLICY",
+                   help="one row per report: each policy's makespan speedup over POLICY and its ratio to the bound")
     a = sub.add_parser("predictor", help="rank correlation of the length predictor with the true lengths on a replay")
     a.add_argument("--workload", default="math,code,video", help="comma list, as for run")
     a.add_argument("--engines", default="8", help="engines in the fleet (comma list: each)")
@@ -152,7 +155,10 @@ def split_workloads(text: str) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "table":
-        print(markdown_table(Path(args.dir)))
+        if args.speedup_over:
+            print(markdown_speedup_table(Path(args.dir), args.speedup_over))
+        else:
+            print(markdown_table(Path(args.dir)))
         return 0
     if args.command == "predictor":
         from load_tests import predictor_accuracy

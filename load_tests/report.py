@@ -147,3 +147,34 @@ def markdown_table(root: Path) -> str:
                     f"{r['lower_bound_s']:.2f} | {ratio} | {r['slot_utilisation']:.3f} | "
                     f"{r['busy_fraction']:.3f} | {r['tokens_per_s']:.0f} |")
     return "\n".join(rows)
+
+
+def markdown_speedup_table(root: Path, baseline: str = "static") -> str:
+    """One row per report under `root` (workload, engines, KV budget): the
+    lower bound, then for every policy its makespan speedup over `baseline`
+    and its ratio to the bound ("1.12x / 1.05")."""
+    docs = []
+    for path in Path(root).rglob("report.json"):
+        doc = json.loads(path.read_text())
+        cfg = doc["config"]
+        docs.append(((cfg["workload"], cfg["engines"], -cfg.get("kv_tokens", 0)), doc))
+    policies: list[str] = []
+    for _, doc in sorted(docs, key=lambda d: d[0]):
+        policies += [p for p in doc["results"] if p not in policies]
+    rows = ["| workload | engines | KV tokens | lower bound s | " + " | ".join(policies) + " |",
+            "|---|---:|---:|---:|" + "---:|" * len(policies)]
+    for (workload, engines, kv), doc in sorted(docs, key=lambda d: d[0]):
+        res = doc["results"]
+        base = res.get(baseline, {}).get("makespan_s")
+        cells = []
+        for p in policies:
+            r = res.get(p)
+            if r is None:
+                cells.append("")
+                continue
+            ratio = f"{r['ratio_to_bound']:.2f}" if r.get("ratio_to_bound") else "-"
+            speed = f"{base / r['makespan_s']:.2f}x" if base and r["makespan_s"] else "-"
+            cells.append(f"{speed} / {ratio}")
+        bound = next(iter(res.values()))["lower_bound_s"]
+        rows.append(f"| {workload} | {engines} | {-kv} | {bound:.2f} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)

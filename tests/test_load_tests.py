@@ -147,6 +147,9 @@ def test_cli_quick_run_writes_the_report_and_plots(tmp_path, capsys):
     for png in ("makespan.png", "lengths_cdf.png", "timeline_static.png"):
         assert (tmp_path / png).stat().st_size > 1000
     assert "least-assigned" in capsys.readouterr().out  # the table
+    assert main(["table", str(tmp_path), "--speedup-over", "static"]) == 0
+    row = capsys.readouterr().out.strip().splitlines()[-1]
+    assert row.startswith("| video | 4 | 262144 |") and "1.00x /" in row
 
 
 def test_cli_rejects_an_unknown_policy_before_running():
