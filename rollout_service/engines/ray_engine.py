@@ -348,9 +348,9 @@ class RayHost:
                 return
             await self._spawn()
 
-    async def _spawn(self) -> None:
+    def _kill_actor(self) -> None:
+        """Kill the current actor, if any (it may already be dead)."""
         import ray
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         if self.actor is not None:
             try:
@@ -358,6 +358,11 @@ class RayHost:
             except Exception:
                 pass
             self.actor = None
+
+    async def _spawn(self) -> None:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self._kill_actor()
         await self.fleet.ready()  # a bundle whose node died waits for resources here
         strategy = PlacementGroupSchedulingStrategy(self.fleet.pg, placement_group_bundle_index=self.bundle_index)
         actor = _remote_host_class().options(scheduling_strategy=strategy, **self.actor_options).remote(
@@ -447,17 +452,10 @@ class RayHost:
                 log.debug("close of %s: %s", engine_id, exc)
         if self._closed < len(self.engines):
             return
-        import ray
-
         if self._pump is not None:
             self._pump.cancel()
         self.alive = False
-        if self.actor is not None:
-            try:
-                ray.kill(self.actor, no_restart=True)
-            except Exception:
-                pass
-            self.actor = None
+        self._kill_actor()
         await self.fleet.release()
 
 
