@@ -140,12 +140,18 @@ class SpecRuntime:
 
     # -- drafter weights pushed by a trainer (PushWeights with target "draft") ------
 
+    def serving_draft_version(self) -> int:
+        """The newest draft version anywhere: pushed through here, trained
+        online, or applied to an engine directly."""
+        engines = [e.spec_status().get("draft_version", 0) for e in self.core.engines.values() if hasattr(e, "spec_status")]
+        return max([self.draft_version, self.trainer.draft_version if self.trainer else 0] + engines)
+
     def check_draft_weights(self, version: int, manifest: Mapping[str, tuple[str, tuple[int, ...]]]) -> None:
         """Raise WeightsRejected unless `manifest` fits the draft model and
         `version` is newer than the drafter serving now."""
         if self.spec.method != "draft_model":
             raise WeightsRejected(f"header.target: the engines have no draft model (engine.spec.method is {self.spec.method!r})")
-        current = max(self.draft_version, self.trainer.draft_version if self.trainer else 0)
+        current = self.serving_draft_version()
         if version <= current:
             raise WeightsRejected(f"header.version: must be greater than the serving draft version {current}, got {version}")
         if self._manifest is None:
