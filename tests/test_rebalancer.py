@@ -56,11 +56,11 @@ def test_reprefill_cost_must_be_repaid():
     assert [m.request_id for m in moves] == ["small"]
 
 
-def test_a_request_that_has_not_started_moves_for_free():
-    # Waiting on e0 behind the others: no re-prefill is lost by moving it, whatever its context.
-    waiting = RequestView("waiting", "e0", 60, 120, context_tokens=10_000, started=False)
-    running = RequestView("running", "e0", 60, 120, context_tokens=10_000)
-    moves = plan_moves(CFG, _engines(2, 0), [waiting, running], now=10.0)
+def test_a_request_that_has_not_started_moves_first():
+    # Same predicted gain either way: the one without a token on e0 yet loses no generated work.
+    running = RequestView("running", "e0", 600, 1200, context_tokens=100)
+    waiting = RequestView("waiting", "e0", 600, 1200, context_tokens=100, started=False)
+    moves = plan_moves(CFG, _engines(2, 0), [running, waiting], now=10.0)
     assert [m.request_id for m in moves] == ["waiting"]
 
 
@@ -94,13 +94,13 @@ def test_an_engine_with_a_full_kv_cache_is_not_drained():
 def test_predicted_time_counts_steps_sequences_kv_and_prefill():
     cfg = RebalanceConfig(per_sequence_cost=0.1, prefill_cost=0.01)
     engine = EngineView("e0", 2, 0, 64)
-    reqs = [RequestView("a", "e0", 1000, 2000, 100), RequestView("b", "e0", 500, 900, 100, started=False)]
-    # 1000 steps for the longest, 1500 tokens at 0.1 each, b's 100-token prefill.
-    assert predicted_time(cfg, engine, reqs) == pytest.approx(1000 + 150 + 1)
+    reqs = [RequestView("a", "e0", 1000, 2000, 100), RequestView("b", "e0", 500, 900, 100)]
+    # 1000 steps for the longest, 1500 tokens at 0.1 each, a moved-in 100-token context's prefill.
+    assert predicted_time(cfg, engine, reqs, reprefill=100) == pytest.approx(1000 + 150 + 1)
     # A small KV cache stretches the steps: the remaining KV load over the capacity.
     small = EngineView("e0", 2, 0, 64, kv_capacity=400)
     load = 1000 * 100 + 1000 ** 2 / 2 + 500 * 100 + 500 ** 2 / 2
-    assert predicted_time(cfg, small, reqs) == pytest.approx(load / 400 + 150 + 1)
+    assert predicted_time(cfg, small, reqs) == pytest.approx(load / 400 + 150)
 
 
 def test_balanced_fleet_stays_put():

@@ -10,14 +10,17 @@ sequence (`predicted_time`): the steps it still needs (its longest predicted
 remaining response, and no fewer than its remaining tokens over `max_seqs`
 or its remaining KV load over its KV capacity), plus what each step costs on
 top for every sequence in it (`per_sequence_cost`) and for every context
-token (`per_context_token_cost`), plus prefills still to do
+token (`per_context_token_cost`), plus the prefills that moves add
 (`prefill_cost` per token). A move must pay for itself in that model: it has
-to shorten the longer of the two engines' predicted times by `min_gain`.
-Requests that have not started on their engine (no token yet: still waiting
-there) move for free; a started one pays the re-prefill of its context on the
-target, is moved only if its predicted remaining decode outweighs that, never
-when it is about to finish, never more than `max_migrations` times, and never
-straight back to an engine it just left.
+to shorten the longer of the two engines' predicted times by `min_gain`,
+counting the prefill of the moved request's context on the target. Among
+equally good moves, a request that has not produced a token on its engine yet
+(waiting there, or in its first steps: the service cannot tell which, so no
+saving is counted on the source) goes first: it loses no generated work. A
+started request is moved only if its predicted remaining decode outweighs
+the re-prefill of its context, never when it is about to finish, never more
+than `max_migrations` times, and never straight back to an engine it just
+left.
 """
 from __future__ import annotations
 
@@ -102,9 +105,8 @@ def predicted_time(cfg: RebalanceConfig, engine: EngineView, requests: list[Requ
     steps = max(max(remaining), tokens / max(1, engine.max_seqs))
     if engine.kv_capacity > 0:
         steps = max(steps, kv_load / engine.kv_capacity)
-    pending = sum(r.context_tokens for r in requests if not r.started) + reprefill
     return (steps + cfg.per_sequence_cost * tokens + cfg.per_context_token_cost * kv_load
-            + cfg.prefill_cost * pending)
+            + cfg.prefill_cost * reprefill)
 
 
 def plan_moves(cfg: RebalanceConfig, engines: list[EngineView], requests: list[RequestView], now: float) -> list[Move]:
