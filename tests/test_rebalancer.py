@@ -145,3 +145,16 @@ def test_rank_correlation_of_predictions_on_a_correlated_workload():
                     truth.append(n)
                 p.observe(req, n, group_done=i == 7)
     assert spearman(preds, truth) > 0.7
+
+
+def test_predictor_scales_siblings_by_how_much_longer_groups_ran_than_their_first_sample():
+    p = LengthPredictor()
+    for g in range(20):  # completed groups: the others ran 1.2-1.6x the first finished sample
+        first = 100 * (1 + g)
+        for i, n in enumerate([first, int(1.2 * first), int(1.4 * first), int(1.6 * first)]):
+            p.observe(_request(f"done{g}", i, prompt_len=50), n, group_done=i == 3)
+    p.observe(_request("short", 0, prompt_len=50), 300, group_done=False)
+    p.observe(_request("long", 0, prompt_len=50), 3000, group_done=False)
+    short = p.predict_total(_request("short", 1, prompt_len=50, generated=300))
+    long = p.predict_total(_request("long", 1, prompt_len=50, generated=3000))
+    assert 300 < short < 600 and 3000 < long < 6000

@@ -2,7 +2,10 @@
 
 Signals, strongest first:
   1. finished siblings of the same GRPO group (the first to finish doubles as
-     the group's early probe: Seer);
+     the group's early probe: Seer), scaled by how much longer the other
+     samples of recently completed groups were than their group's first
+     finished one (siblings' lengths are correlated: a group whose first
+     sample ends early is a short group);
   2. the same prompt's lengths in earlier steps (same `prompt_id`);
   3. what finished recently for prompts of a similar length (global).
 The prediction for an in-flight request is conditioned on what it has
@@ -47,6 +50,8 @@ class LengthPredictor:
         # predictions run on every placement and rebalancing tick.
         self._window = global_window
         self._by_bucket: dict[int, deque[int]] = {}
+        # Completed groups: each later sample's length over the group's first finished one.
+        self._ratios: deque[float] = deque(maxlen=global_window)
         # A fresh request's estimate, per group: (finished siblings, observations, estimate).
         # Placement asks for every queued request on every dispatch; the estimate only
         # moves when a sibling finishes, or slowly as other prompts finish.
@@ -69,7 +74,10 @@ class LengthPredictor:
             while len(self._per_prompt) > self._remembered:
                 self._per_prompt.popitem(last=False)
         if group_done:
-            self._siblings.pop(spec.group_id, None)
+            done = self._siblings.pop(spec.group_id, None)
+            if done:
+                first = max(1, done[0])
+                self._ratios.extend(n / first for n in (*done[1:], length))
             self._fresh.pop(spec.group_id, None)
         else:
             self._siblings.setdefault(spec.group_id, []).append(length)
@@ -84,11 +92,14 @@ class LengthPredictor:
 
     def _candidates(self, req: Request) -> list[float]:
         spec = req.group.spec
-        out: list[float] = list(self._siblings.get(spec.group_id, ()))
+        siblings = self._siblings.get(spec.group_id, ())
+        out: list[float] = list(siblings)
+        scaled = [siblings[0] * r for r in self._ratios] if siblings else []  # the group's scale, the fleet's spread
         if spec.prompt_id and spec.prompt_id in self._per_prompt:
             out += self._per_prompt[spec.prompt_id]
         if len(out) >= 2:
-            return out
+            return out + scaled
+        out += scaled
         if self._by_bucket:
             # Recent lengths of prompts of a similar size (within about a factor of 2).
             bucket = max(1, len(spec.prompt_token_ids)).bit_length()
