@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import time
-from pathlib import Path
 
 import numpy as np
 
 from load_tests.bench_weight_push import state_dict
+from load_tests.report import save_json
 from rollout_service.config import EngineConfig
 from rollout_service.core.weights import StagedWeights, WeightTensor
 from rollout_service.engines.factory import make_engines, model_info
@@ -126,9 +125,7 @@ def main() -> None:
     finally:
         ray.shutdown()
         cluster.shutdown()
-    if args.report:
-        Path(args.report).mkdir(parents=True, exist_ok=True)
-        (Path(args.report) / "ray_fanout.json").write_text(json.dumps(rows, indent=2))
+    save_json(args.report, "ray_fanout.json", rows)
 
 
 if __name__ == "__main__":

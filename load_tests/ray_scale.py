@@ -37,6 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from load_tests.report import save_json
+
 ACTORS = 8
 SIM = {"decode_base_s": 0.004, "decode_per_seq_s": 0.00015, "length_median": 24, "length_sigma": 0.5,
        "weight_update_s": 0.0}
@@ -217,9 +219,7 @@ def main() -> None:
                   f"{r['grpc_msgs_per_sample']:>10.2f}{r['loop_lag_p99_ms']:>11}", flush=True)
     finally:
         ray.shutdown()
-    if args.report:
-        Path(args.report).mkdir(parents=True, exist_ok=True)
-        (Path(args.report) / "ray_scale.json").write_text(json.dumps(rows, indent=2))
+    save_json(args.report, "ray_scale.json", rows)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,16 @@ def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
 
 
+def save_json(report_dir: str | Path | None, name: str, data) -> Path | None:
+    """Write `data` as DIR/name (indented JSON) when a report directory was asked for."""
+    if not report_dir:
+        return None
+    path = Path(report_dir) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, default=float))
+    return path
+
+
 def write_json(out: Path, config: dict, workload: Workload, results: list[RunResult]) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     doc = {
