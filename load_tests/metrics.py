@@ -53,6 +53,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from load_tests.driver import StepRecord
+from rollout_service.core.aio import cancel_and_wait
 
 # Virtual time adds step times one float at a time; the closed form may differ by rounding.
 _ROUNDING = 1e-9
@@ -185,12 +186,7 @@ class FleetProbe:
         self._task = asyncio.create_task(self._loop(), name="fleet-probe")
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(self._task)
 
     def sample(self) -> None:
         self.times.append(self.now())

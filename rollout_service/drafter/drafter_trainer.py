@@ -36,6 +36,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
+from rollout_service.core.aio import cancel_and_wait
 from rollout_service.engines.spec import from_table
 from rollout_service.core.types import FinishReason, Sample
 from rollout_service.core.weights import StagedWeights, read_safetensors, split_and_verify
@@ -235,13 +236,8 @@ class DrafterTrainer:
             self._task = asyncio.create_task(self._run(), name="drafter-trainer")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None

@@ -24,6 +24,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
+from rollout_service.core.aio import cancel_and_wait
 from rollout_service.engines.spec import StepObservation, from_table
 
 log = logging.getLogger(__name__)
@@ -184,13 +185,8 @@ class TunerLoop:
             self._task = asyncio.create_task(self._run(), name="spec-tuner")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
     async def tick(self) -> None:
         """One decision round (also callable directly, e.g. from tests)."""

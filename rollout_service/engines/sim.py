@@ -65,6 +65,7 @@ from typing import AsyncIterator, Mapping
 
 import numpy as np
 
+from rollout_service.core.aio import cancel_and_wait
 from rollout_service.core.types import (
     EngineLoad,
     EngineRequest,
@@ -349,12 +350,7 @@ class SimEngine:
 
     async def close(self) -> None:
         self._state = "dead"
-        if self._task:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(self._task)
         for rid in list(self._seqs):
             await self.abort(rid)
 
