@@ -32,12 +32,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+
+from load_tests.report import save_json
 
 
 def _staged(state: dict):
@@ -242,12 +242,10 @@ def main(argv: list[str] | None = None) -> int:
             "adaptive_mean_acceptance_length": float(np.mean([r["adaptive"]["mean_acceptance_length"] for r in later])),
         }
         print(json.dumps(out["summary"], indent=2))
-    if args.report:
-        d = Path(args.report)
-        d.mkdir(parents=True, exist_ok=True)
-        (d / "drafter_adaptation.json").write_text(json.dumps(out, indent=2))
-        plot(out, d / "drafter_adaptation.png")
-        print(f"report: {d / 'drafter_adaptation.json'}")
+    path = save_json(args.report, "drafter_adaptation.json", out)
+    if path is not None:
+        plot(out, path.with_suffix(".png"))
+        print(f"report: {path}")
     return 0
 
 

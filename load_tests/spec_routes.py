@@ -28,6 +28,7 @@ import time
 import uuid
 from pathlib import Path
 
+from load_tests.report import save_json
 from rollout_service.core.types import EngineRequest, SamplingParams
 from rollout_service.engines.vllm import VllmEngine
 
@@ -209,12 +210,10 @@ def main(argv: list[str] | None = None) -> int:
     out = asyncio.run(measure(args))
     out["command"] = "python -m load_tests.spec_routes" + (" --quick" if args.quick else "")
     print(json.dumps({k: out[k] for k in ("draft_cost_ratio", "step_seconds_target", "step_seconds_draft", "best")}, indent=2))
-    if args.report:
-        d = Path(args.report)
-        d.mkdir(parents=True, exist_ok=True)
-        (d / "spec_routes.json").write_text(json.dumps(out, indent=2))
-        plot(out, d / "spec_routes.png")
-        print(f"report: {d / 'spec_routes.json'}")
+    path = save_json(args.report, "spec_routes.json", out)
+    if path is not None:
+        plot(out, path.with_suffix(".png"))
+        print(f"report: {path}")
     return 0
 
 
