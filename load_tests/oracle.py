@@ -5,6 +5,11 @@ rebalancer) with a predictor that reads every sample's true length from the
 simulated engine's hint (`sim.target_lengths`). No service can run it: it
 shows how much of the gap to the lower bound is scheduling and how much is
 not knowing the lengths in advance.
+
+`length-oracle-after-N` (N in `REVEAL_AFTER`) learns a response's true
+length only once it has generated N tokens, and predicts like the service
+before that: what a perfect detector reading a response's first N tokens
+would buy (a bound on what early-token features can do).
 """
 from __future__ import annotations
 
@@ -24,21 +29,33 @@ def true_length(req: Request) -> int | None:
     return min(int(hint.split(",")[req.index]), req.group.spec.sampling.max_tokens)
 
 
+REVEAL_AFTER = (16, 64, 256)
+
+
 class OracleLengthPredictor(LengthPredictor):
-    """Predicts exactly: the hinted length minus what was generated."""
+    """Predicts exactly (the hinted length minus what was generated) once a
+    request has generated `reveal_after` tokens; before, like the service."""
+
+    def __init__(self, reveal_after: int = 0) -> None:
+        super().__init__()
+        self.reveal_after = reveal_after
 
     def predict(self, req: Request) -> LengthEstimate:
         total = true_length(req)
-        if total is None:
+        if total is None or len(req.token_ids) < self.reveal_after:
             return super().predict(req)
         left = float(max(0, total - len(req.token_ids)))
         return LengthEstimate(left, left)
 
 
-def _oracle_placement() -> LengthAwarePlacement:
-    placement = LengthAwarePlacement(OracleLengthPredictor())
-    placement.name = NAME
-    return placement
+def _oracle_placement(reveal_after: int = 0):
+    def make() -> LengthAwarePlacement:
+        placement = LengthAwarePlacement(OracleLengthPredictor(reveal_after))
+        placement.name = f"{NAME}-after-{reveal_after}" if reveal_after else NAME
+        return placement
+    return make
 
 
-PLACEMENTS.setdefault(NAME, _oracle_placement)
+PLACEMENTS.setdefault(NAME, _oracle_placement())
+for _n in REVEAL_AFTER:
+    PLACEMENTS.setdefault(f"{NAME}-after-{_n}", _oracle_placement(_n))

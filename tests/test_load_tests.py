@@ -202,7 +202,7 @@ def test_shared_steps_bound_is_exact_for_two_requests_on_one_engine():
     assert step["lower_bound_s"] <= step["makespan_s"] <= step["lower_bound_s"] * 1.000001
 
 
-@pytest.mark.parametrize("policy", ["rebalance", "length-oracle+rebalance"])
+@pytest.mark.parametrize("policy", ["rebalance", "rebalance+isolate", "length-oracle+rebalance"])
 def test_length_aware_runs_deliver_every_sample_once_within_the_bound(policy):
     w = quick()
     # A small KV cache: the engines preempt, the bound's KV term is on.

@@ -151,6 +151,7 @@ def test_policy_names_join_a_placement_and_mechanisms_with_plus():
     ("static+sticky-rr", "two placements"),
     ("static+", "empty policy name"),
     ("", "empty policy name"),
+    ("static+isolate", "write 'rebalance\\+isolate'"),
 ])
 def test_unknown_or_malformed_policy_names_are_clear_errors(bad, message):
     with pytest.raises(ValueError, match=message) as exc:

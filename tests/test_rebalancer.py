@@ -1,6 +1,8 @@
 """The rebalancer and the length predictor as pure functions (no event loop)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from rollout_service.core.types import Group, GroupSpec, Request, SamplingParams
@@ -158,3 +160,55 @@ def test_predictor_scales_siblings_by_how_much_longer_groups_ran_than_their_firs
     short = p.predict_total(_request("short", 1, prompt_len=50, generated=300))
     long = p.predict_total(_request("long", 1, prompt_len=50, generated=3000))
     assert 300 < short < 600 and 3000 < long < 6000
+
+
+ISO = RebalanceConfig(isolate_tail=True, per_sequence_cost=0.04, prefill_cost=0.005, min_gain=0.05,
+                      min_remaining_tokens=32, max_migrations=2, cooldown_s=1.0)
+
+
+def _tail_fleet(co_remaining=1000, target_running=8):
+    """e0 runs one long response and 15 co-runners; e1 and e2 run
+    `target_running` shorter requests each (none drained)."""
+    engines = [EngineView("e0", 16, 0, 16), EngineView("e1", target_running, 0, 16),
+               EngineView("e2", target_running, 0, 16)]
+    reqs = [RequestView("tail", "e0", 5000, 15000, 400)]
+    reqs += [RequestView(f"co{i}", "e0", co_remaining, 2 * co_remaining, 400) for i in range(15)]
+    reqs += [RequestView(f"{e}-{i}", e, 1000, 2000, 400) for e in ("e1", "e2") for i in range(target_running)]
+    return engines, reqs
+
+
+def test_isolation_moves_the_co_runners_off_the_engine_that_ends_the_step():
+    engines, reqs = _tail_fleet()
+    assert plan_moves(RebalanceConfig(per_sequence_cost=0.04), engines, reqs, now=10.0) == []  # off by default
+    moves = plan_moves(ISO, engines, reqs, now=10.0)
+    moved = {m.request_id for m in moves}
+    assert moved == {f"co{i}" for i in range(15)}  # all of them, never the tail itself
+    assert all(m.source == "e0" and m.target in ("e1", "e2") for m in moves)  # 16 free slots there
+    # Each target still ends long before the tail would alone.
+    after = {e.engine_id: [r for r in reqs if r.engine_id == e.engine_id] for e in engines}
+    for m in moves:
+        after[m.target].append(next(r for r in reqs if r.request_id == m.request_id))
+    tail_alone = predicted_time(ISO, engines[0], [reqs[0]])
+    assert all(predicted_time(ISO, e, after[e.engine_id]) < tail_alone for e in engines[1:])
+
+
+def test_isolation_sends_co_runners_to_the_queue_when_the_other_engines_are_full():
+    engines, reqs = _tail_fleet(target_running=16)
+    moves = plan_moves(ISO, engines, reqs, now=10.0)
+    assert moves and all(m.target is None for m in moves)
+
+
+def test_isolation_leaves_co_runners_that_barely_slow_the_tail():
+    # 15 co-runners with 40 tokens left add 0.04 * 600 = 24 lone steps to a 5,200-step tail: under min_gain.
+    engines, reqs = _tail_fleet(co_remaining=40)
+    assert plan_moves(ISO, engines, reqs, now=10.0) == []
+
+
+def test_isolation_respects_the_migration_bound_and_cooldown():
+    engines, reqs = _tail_fleet()
+    reqs = [RequestView(r.request_id, r.engine_id, r.remaining, r.remaining_high, r.context_tokens,
+                        migrations=2 if r.request_id.startswith("co") and int(r.request_id[2:]) % 2 else 0,
+                        moved_at=9.5 if r.request_id == "co0" else float("-inf")) for r in reqs]
+    # Moving the 7 others saves 4.8% of e0's predicted time.
+    moved = {m.request_id for m in plan_moves(dataclasses.replace(ISO, min_gain=0.03), engines, reqs, now=10.0)}
+    assert moved and "co0" not in moved and not any(int(i[2:]) % 2 for i in moved)

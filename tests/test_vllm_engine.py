@@ -83,7 +83,8 @@ async def test_pushed_tied_embedding_reaches_the_output_layer(vclient):
     await vclient.push_weights(_weights(), version=(await vclient.status()).policy_version + 1)
 
 
-async def test_migrated_request_continues_from_its_prefix(vllm_service, vclient):
+@pytest.mark.parametrize("to", ["engine", "queue"])
+async def test_migrated_request_continues_from_its_prefix(vllm_service, vclient, to):
     from rollout_service.tasks import make_problem, prompt_token_ids
 
     core = vllm_service.core
@@ -101,9 +102,13 @@ async def test_migrated_request_continues_from_its_prefix(vllm_service, vclient)
         await asyncio.sleep(0.002)
     source = req.engine_id
     target = next(e for e in core.engines if e != source)
-    await core.migrate(req, target)
+    # To an engine, or back to the head of the service's queue (the tail
+    # isolation's move when every other engine is full): placement restarts it.
+    await core.migrate(req, target if to == "engine" else None)
     [s] = await collect(vclient, gid, 1, timeout=60)
-    assert s.engines == [source, target] and s.num_migrations == 1
+    assert s.num_migrations == 1 and len(s.engines) == 2 and s.engines[0] == source
+    if to == "engine":
+        assert s.engines[1] == target
     # Greedy decoding continued from the same prefix gives the un-migrated
     # answer; each token's logprob is the one its engine computed after the
     # re-prefill, and the version tags cover both segments.

@@ -90,7 +90,7 @@ class FleetMixin:
             engines.append(EngineView(eid, self.assigned[eid], load.waiting, load.max_seqs,
                                       ready=load.state == "ready" and eid not in self._restarting,
                                       kv_used=load.kv_used_tokens, kv_capacity=load.kv_capacity_tokens))
-        if not any(is_drained(self.rebalance, e) for e in engines):
+        if not self.rebalance.isolate_tail and not any(is_drained(self.rebalance, e) for e in engines):
             return []  # nothing can take work: skip the predictions
         views = []
         for req, _ in self.running.values():
@@ -107,5 +107,5 @@ class FleetMixin:
         for move in moves:
             entry = self.running.get(move.request_id)
             if entry is not None and entry[0].engine_id == move.source:
-                await self.migrate(entry[0], move.target)
+                await self.migrate(entry[0], move.target)  # None: to the head of the queue
         return moves

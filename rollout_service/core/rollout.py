@@ -336,16 +336,20 @@ class RolloutCore(FleetMixin, WeightSyncMixin):
         self.assigned[engine_id] -= 1
         self._wake.set()
 
-    async def migrate(self, req: Request, target: str) -> None:
+    async def migrate(self, req: Request, target: str | None) -> None:
         """Move a running request to another engine: abort with its partial on
-        the source, continue from the same prefix on `target` (re-prefill)."""
+        the source, continue from the same prefix on `target` (re-prefill);
+        with no target, at the head of the queue, wherever placement sends it."""
         await self.preempt(req)
         if req.group.aborted:
             return
         req.num_migrations += 1
         req.moved_at = self.clock.monotonic()
         self.counters["migrations"] += 1
-        self._start(req, self.engines[target])
+        if target is None:
+            self._requeue(req)
+        else:
+            self._start(req, self.engines[target])
 
     async def abort(
         self, group_ids: list[str] = (), batch_id: str = "", all_groups: bool = False, keep_partial: bool = False

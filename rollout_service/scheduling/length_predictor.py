@@ -15,6 +15,7 @@ that has run g tokens has about g more to go).
 """
 from __future__ import annotations
 
+import bisect
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
@@ -52,10 +53,8 @@ class LengthPredictor:
         self._by_bucket: dict[int, deque[int]] = {}
         # Completed groups: each later sample's length over the group's first finished one.
         self._ratios: deque[float] = deque(maxlen=global_window)
-        # A fresh request's estimate, per group: (finished siblings, observations, estimate).
-        # Placement asks for every queued request on every dispatch; the estimate only
-        # moves when a sibling finishes, or slowly as other prompts finish.
-        self._fresh: dict[str, tuple[int, int, LengthEstimate]] = {}
+        # Per group: (finished siblings, observations, sorted candidate lengths).
+        self._fresh: dict[str, tuple[int, int, list[float]]] = {}
         self._observed = 0
         self.refresh_every = 16
 
@@ -111,19 +110,19 @@ class LengthPredictor:
         """Remaining tokens of `req`, given what it has generated so far."""
         done = len(req.token_ids)
         budget = req.remaining_tokens
-        if done == 0:
-            gid = req.group.group_id
-            siblings = len(self._siblings.get(gid, ()))
-            hit = self._fresh.get(gid)
-            if hit is not None and hit[0] == siblings and self._observed - hit[1] < self.refresh_every:
-                return LengthEstimate(min(hit[2].median, budget), min(hit[2].high, budget))
-            est = self._estimate(req, 0, budget)
-            self._fresh[gid] = (siblings, self._observed, est)
-            return est
-        return self._estimate(req, done, budget)
+        gid = req.group.group_id
+        siblings = len(self._siblings.get(gid, ()))
+        # Placement and rebalancing ask for every request on every tick; the
+        # candidates only change when a sibling finishes, or slowly as other
+        # prompts finish: keep them sorted per group.
+        hit = self._fresh.get(gid)
+        if hit is None or hit[0] != siblings or self._observed - hit[1] >= self.refresh_every:
+            hit = (siblings, self._observed, sorted(self._candidates(req)))
+            self._fresh[gid] = hit
+        return self._estimate(hit[2], done, budget)
 
-    def _estimate(self, req: Request, done: int, budget: int) -> LengthEstimate:
-        candidates = sorted(c for c in self._candidates(req) if c > done)
+    def _estimate(self, ordered: list[float], done: int, budget: int) -> LengthEstimate:
+        candidates = ordered[bisect.bisect_right(ordered, done):]
         if candidates:
             med = _quantile(candidates, 0.5) - done
             high = _quantile(candidates, 0.9) - done

@@ -21,6 +21,21 @@ started request is moved only if its predicted remaining decode outweighs
 the re-prefill of its context, never when it is about to finish, never more
 than `max_migrations` times, and never straight back to an engine it just
 left.
+
+Isolating the tail. A step ends with its longest response, and that
+response runs slower in a full batch (every sequence in a step makes the
+step longer): the PolyTrace replays' longest responses are lone outliers in
+groups whose other samples are short, so nothing tells them apart at
+placement. Once the predictor sees one running past what its siblings and
+the prompt's history produced (its prediction then grows with what it has
+generated), its engine becomes the fleet's predicted maximum; when moving
+that engine's other requests away would shorten the predicted makespan by
+`min_gain` (the tail then runs in a small batch, the moved requests are
+re-prefilled elsewhere and every other engine still ends before the tail),
+they move: to an engine with a free slot where one has the room, else back
+to the head of the service's queue (`target` None), from where placement
+sends them wherever a slot frees first. Placement's hold rule keeps new
+work off the tail's engine while it is the predicted maximum.
 """
 from __future__ import annotations
 
@@ -42,6 +57,7 @@ class RebalanceConfig:
     max_migrations: int = 2  # per request
     max_moves_per_tick: int = 16
     cooldown_s: float = 1.0  # a moved request stays put at least this long
+    isolate_tail: bool = False  # move co-runners off the engines whose longest response may end the step
 
 
 @dataclass(slots=True)
@@ -72,7 +88,7 @@ class RequestView:
 class Move:
     request_id: str
     source: str
-    target: str
+    target: str | None  # None: back to the head of the service's queue
     reason: str = ""
 
 
@@ -142,6 +158,8 @@ def plan_moves(cfg: RebalanceConfig, engines: list[EngineView], requests: list[R
             target.reprefill += r.context_tokens
             if len(target.requests) >= cfg.drained_fraction * target.view.max_seqs:
                 break
+    if cfg.isolate_tail and not moves:  # a tick either fills drained engines or isolates a tail
+        moves = isolate_tail(cfg, ready, now)[: cfg.max_moves_per_tick]
     return moves
 
 
@@ -152,14 +170,8 @@ def _best_candidate(cfg: RebalanceConfig, source: _Load, target: _Load,
     checks = cfg.imbalance_ratio > 0
     best, best_key = None, None
     for r in source.requests:
-        if r.remaining < cfg.min_remaining_tokens:
-            continue  # about to finish
-        if r.migrations >= cfg.max_migrations or now - r.moved_at < cfg.cooldown_s:
+        if not movable(cfg, r, target.view.engine_id, now):
             continue
-        if r.previous_engine == target.view.engine_id:
-            continue  # no ping-pong
-        if r.started and r.remaining <= cfg.prefill_cost * r.context_tokens:
-            continue  # the re-prefill would cost more than it saves
         rest = [x for x in source.requests if x is not r]
         moved = RequestView(r.request_id, target.view.engine_id, r.remaining, r.remaining_high, r.context_tokens)
         source_time = predicted_time(cfg, source.view, rest, reprefill=source.reprefill)
@@ -172,3 +184,76 @@ def _best_candidate(cfg: RebalanceConfig, source: _Load, target: _Load,
         if best_key is None or key < best_key:
             best, best_key = (r, source_time, target_time), key
     return best
+
+
+def movable(cfg: RebalanceConfig, r: RequestView, target: str | None, now: float) -> bool:
+    """May `r` move now (to `target`; None: to the service's queue)?"""
+    if r.remaining < cfg.min_remaining_tokens:
+        return False  # about to finish
+    if r.migrations >= cfg.max_migrations or now - r.moved_at < cfg.cooldown_s:
+        return False
+    if target is not None and r.previous_engine == target:
+        return False  # no ping-pong
+    # A started request loses its KV cache: the re-prefill must cost less than it saves.
+    return not (r.started and r.remaining <= cfg.prefill_cost * r.context_tokens)
+
+
+def isolate_tail(cfg: RebalanceConfig, ready: list[_Load], now: float) -> list[Move]:
+    """Moves that take the other requests off the engines whose longest
+    response may end the step (module docstring): every engine predicted
+    within `min_gain` of the fleet's maximum, longest first. An engine's
+    co-runners move when that shortens its predicted time by `min_gain`, each
+    to the engine where it ends soonest, and only where it still ends before
+    the tail would alone."""
+    if not ready:
+        return []
+    top = max(l.time for l in ready)
+    line = (1 - cfg.min_gain) * top
+    critical = sorted((l for l in ready if l.time >= line and len(l.requests) > 1),
+                      key=lambda l: (-l.time, l.view.engine_id))
+    others = [_Load(l.view, list(l.requests), l.time, l.reprefill) for l in ready if l.time < line]
+    free = {l.view.engine_id: l.view.max_seqs - l.view.running for l in others}
+    moves: list[Move] = []
+    for source in critical:
+        tail = max(source.requests, key=lambda r: (r.remaining, r.remaining_high, r.request_id))
+        floor = predicted_time(cfg, source.view, [tail] + [r for r in source.requests
+                                                           if r is not tail and not movable(cfg, r, None, now)])
+        keep, plan = [tail], []
+        added: dict[int, tuple[list[RequestView], int, float]] = {}  # index in others -> (requests, reprefill, time)
+        # Requests that have not started lose nothing; then the largest gains first.
+        for r in sorted(source.requests, key=lambda r: (r.started, -r.remaining, r.request_id)):
+            if r is tail:
+                continue
+            best, best_time = None, None
+            if movable(cfg, r, None, now):
+                for i, load in enumerate(others):
+                    if r.previous_engine == load.view.engine_id:
+                        continue
+                    reqs, reprefill, _ = added.get(i, (load.requests, load.reprefill, load.time))
+                    view = RequestView(r.request_id, load.view.engine_id, r.remaining, r.remaining_high,
+                                       r.context_tokens)
+                    t = predicted_time(cfg, load.view, reqs + [view], reprefill=reprefill + r.context_tokens)
+                    if best_time is None or t < best_time:
+                        best, best_time = i, t
+            if best is None or best_time > floor:
+                keep.append(r)  # it would end after the tail does: it stays
+                continue
+            reqs, reprefill, _ = added.get(best, (others[best].requests, others[best].reprefill, 0.0))
+            view = RequestView(r.request_id, others[best].view.engine_id, r.remaining, r.remaining_high,
+                               r.context_tokens)
+            added[best] = (reqs + [view], reprefill + r.context_tokens, best_time)
+            plan.append((r, best))
+        after = predicted_time(cfg, source.view, keep)
+        if not plan or after > (1 - cfg.min_gain) * source.time:
+            continue  # not worth it on this engine
+        for i, (reqs, reprefill, t) in added.items():
+            others[i].requests, others[i].reprefill, others[i].time = reqs, reprefill, t
+        for r, i in plan:
+            eid = others[i].view.engine_id
+            target = eid if free.get(eid, 0) > 0 else None  # full: wait in the service's queue
+            if target is not None:
+                free[eid] -= 1
+            moves.append(Move(r.request_id, source.view.engine_id, target,
+                              f"isolating {tail.request_id} on {source.view.engine_id}: predicted "
+                              f"{source.time:.0f} steps left there, {after:.0f} after the moves"))
+    return moves
