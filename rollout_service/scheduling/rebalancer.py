@@ -35,7 +35,10 @@ re-prefilled elsewhere and every other engine still ends before the tail),
 they move: to an engine with a free slot where one has the room, else back
 to the head of the service's queue (`target` None), from where placement
 sends them wherever a slot frees first. Placement's hold rule keeps new
-work off the tail's engine while it is the predicted maximum.
+work off the tail's engine while it is the predicted maximum. Off by
+default (`isolate_tail`): it pays only when the predictions of a running
+response's remaining length are reliable, which on the PolyTrace replays
+they are not (docs/benchmarks.md, "Knowing early").
 """
 from __future__ import annotations
 
