@@ -7,7 +7,7 @@ b, s, c, p). Every sample makes one token per engine step it is in; a step
 holds at most `max_seqs` sequences (M) and, on a simulated engine, at most
 `kv_capacity_tokens` (K) of context (each sequence's context plus the token
 it writes; the engine's admission can overshoot by fewer than M tokens for one
-step, so K + M is used). The bound is the largest of three:
+step, so K + M is used). The bound is the largest of four:
 
 - longest request: a response of L tokens after a P-token prompt needs L
   engine steps one after another; at batch 1 (the cheapest a step can be)
@@ -30,7 +30,20 @@ step, so K + M is used). The bound is the largest of three:
   fleet's work large; the bound is the least makespan over X that satisfies
   both, maximised over a (a = 1 is the longest request). It holds whatever
   the placement, with migrations (a response's steps never overlap in time,
-  wherever they run) and preemptions (they add steps and prefill).
+  wherever they run) and preemptions (they add steps and prefill);
+- batch sizes: every response must end by T, so its steps cannot be too
+  full, and emptier steps cost the fleet more engine time per token. Split
+  each step's cost `b + s * j` evenly over its j sequences: a token made in
+  a step of j costs `b / j + s` of engine time and `b + s * j` of its own
+  response's time. A response of L tokens (own prefill and context terms
+  o, arriving at offset t0) thus makes its tokens at a token-weighted mean
+  batch of at most `J = min(M, (T - t0 - o - L * b) / (s * L))`, and since
+  `b / j` is convex its engine time is at least `L * (b / J + s)`
+  (Jensen): `L / J` engine steps' worth of `b`. Summed over the responses
+  (and no fewer steps than the total-work term's), plus their own terms,
+  it must fit in N * T; the bound is the least T where it does. On the code replay, where
+  dozens of responses run 10,000-16,000 tokens, every one of them needs small
+  batches and the fleet's time runs out before the shared-steps term says.
 
 With speculative decoding on in the simulated engine, the decode terms are
 divided by the best tokens per verify step (every draft at the deepest
@@ -107,6 +120,7 @@ class Bound:
     work_s: float  # total work / fleet throughput (batch size and KV cache)
     longest_s: float  # the longest request alone (after its arrival)
     shared_s: float = 0.0  # the longest requests cannot all run alone (module docstring)
+    batch_s: float = 0.0  # each response's steps cannot be too full (module docstring)
 
 
 def kv_load(prompt: np.ndarray, length: np.ndarray, cap: float) -> np.ndarray:
@@ -138,8 +152,39 @@ def lower_bound(record: StepRecord, cost: CostModel, engines: int) -> Bound:
     work = (b * steps + fixed) / engines
     longest = float((offset + cost.alone_s(P, L)).max())
     shared = _shared_steps(L, offset + own, b, s, steps, fixed, engines)
-    lb = max(work, longest, shared) * (1 - _ROUNDING)
-    return Bound(lb, work, longest, shared)
+    batch = _batch_sizes(L, offset + own, float(own.sum()), b, s, cost.max_seqs, steps, engines, longest)
+    lb = max(work, longest, shared, batch) * (1 - _ROUNDING)
+    return Bound(lb, work, longest, shared, batch)
+
+
+def _batch_sizes(L: np.ndarray, fixed_time: np.ndarray, own_total: float, b: float, s: float, max_seqs: int,
+                 steps: float, engines: int, longest: float) -> float:
+    """The batch-size bound (module docstring): the least T with
+    b * max(sum(L / J(T)), steps) + s * sum(L) + own_total <= engines * T,
+    where J(T) = min(max_seqs, (T - fixed_time - L * b) / (s * L)) per
+    response (`fixed_time`: its arrival offset plus its own prefill and
+    context terms; sum(L / J) counts engine steps, shared evenly by their
+    sequences, and `steps` is the fleet's least number of steps from its
+    batch size and KV cache, as in the total-work term)."""
+    L = L.astype(float)
+    keep = L > 0
+    L, fixed_time = L[keep], fixed_time[keep]
+    if not len(L) or s <= 0:
+        return 0.0
+
+    def fits(T: float) -> bool:
+        J = np.minimum(max_seqs, (T - fixed_time - L * b) / (s * L))
+        if (J < 1).any():
+            return False  # some response cannot end by T even alone
+        return b * max(float((L / J).sum()), steps) + s * float(L.sum()) + own_total <= engines * T
+
+    lo, hi = longest, max(longest, 1e-9) * 2
+    while not fits(hi):
+        lo, hi = hi, hi * 2
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return hi
 
 
 def _shared_steps(L: np.ndarray, own: np.ndarray, b: float, s: float, steps: float, fixed: float,
@@ -257,6 +302,7 @@ def step_metrics(record: StepRecord, start: Counters, end: Counters, probe: Flee
         "bound_work_s": bound.work_s,
         "bound_longest_s": bound.longest_s,
         "bound_shared_s": bound.shared_s,
+        "bound_batch_s": bound.batch_s,
         "ratio_to_bound": span / bound.lower_bound_s if bound.lower_bound_s > 0 else None,
         "weight_sync_s": 0.0,  # filled in by `summarise` once the push returned
         "samples_submitted": record.samples_submitted,

@@ -202,6 +202,21 @@ def test_shared_steps_bound_is_exact_for_two_requests_on_one_engine():
     assert step["lower_bound_s"] <= step["makespan_s"] <= step["lower_bound_s"] * 1.000001
 
 
+def test_batch_size_bound_counts_that_many_long_responses_need_small_batches():
+    # The code replay's first step (lengths x0.1): dozens of long responses must each
+    # run in small batches to end in time, and small batches cost the fleet engine time.
+    w = load_workload("code", steps=1, length_scale=0.1)
+    step = run_policy(RunConfig(w, engines=8, progress=False), parse_policy("least-assigned")).steps[0]
+    assert step["bound_batch_s"] > 1.03 * max(step["bound_shared_s"], step["bound_longest_s"], step["bound_work_s"])
+    assert step["lower_bound_s"] == pytest.approx(step["bound_batch_s"], rel=1e-6)
+    assert step["lower_bound_s"] <= step["makespan_s"]
+    # Equal responses sharing one engine from the start: within 1% (each response's own
+    # time counts its own prompt's prefill, not the others' in the same first step).
+    w = Workload("four", [[GroupShape(50, [300] * 4)]], max_tokens=400, source="test")
+    step = run_policy(RunConfig(w, engines=1, progress=False), parse_policy("least-assigned")).steps[0]
+    assert 0.99 * step["makespan_s"] <= step["bound_batch_s"] <= step["makespan_s"]
+
+
 @pytest.mark.parametrize("policy", ["rebalance", "rebalance+isolate", "length-oracle+rebalance"])
 def test_length_aware_runs_deliver_every_sample_once_within_the_bound(policy):
     w = quick()
