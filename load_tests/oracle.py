@@ -40,12 +40,20 @@ class OracleLengthPredictor(LengthPredictor):
         super().__init__()
         self.reveal_after = reveal_after
 
+    def informed(self, req: Request) -> bool:
+        return (true_length(req) is not None and len(req.token_ids) >= self.reveal_after) or super().informed(req)
+
     def predict(self, req: Request) -> LengthEstimate:
         total = true_length(req)
         if total is None or len(req.token_ids) < self.reveal_after:
             return super().predict(req)
         left = float(max(0, total - len(req.token_ids)))
         return LengthEstimate(left, left)
+
+
+def _packed(placement: LengthAwarePlacement, name: str) -> LengthAwarePlacement:
+    placement.pack, placement.name = True, name
+    return placement
 
 
 def _oracle_placement(reveal_after: int = 0):
@@ -57,5 +65,6 @@ def _oracle_placement(reveal_after: int = 0):
 
 
 PLACEMENTS.setdefault(NAME, _oracle_placement())
+PLACEMENTS.setdefault(f"{NAME}-packed", lambda: _packed(LengthAwarePlacement(OracleLengthPredictor()), f"{NAME}-packed"))
 for _n in REVEAL_AFTER:
     PLACEMENTS.setdefault(f"{NAME}-after-{_n}", _oracle_placement(_n))

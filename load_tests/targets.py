@@ -57,14 +57,15 @@ class FleetSpec:
     max_version_lag: int = -1  # partial rollout: staleness bound (-1: none)
 
     def rebalance(self) -> RebalanceConfig:
-        return RebalanceConfig(enabled=self.policy.has("rebalance"), isolate_tail=self.policy.has("isolate"))
+        return RebalanceConfig(enabled=self.policy.has("rebalance"), isolate_tail=self.policy.has("isolate"),
+                               repack=self.policy.has("repack"))
 
     def carry_over(self) -> CarryOverConfig:
         return CarryOverConfig(max_version_lag=self.max_version_lag if self.policy.has("partial") else -1)
 
     def engine_config(self) -> EngineConfig:
         spec, others = mechanism_spec(self.policy.mechanisms)  # "spec", "spec-ngram" -> [engine.spec]
-        unknown = set(others) - {"rebalance", "isolate", "partial"}
+        unknown = set(others) - {"rebalance", "isolate", "repack", "partial"}
         if unknown:
             raise ValueError(f"policy {self.policy.name!r}: the load-test harness does not switch on {sorted(unknown)}")
         if self.kind == "sim":

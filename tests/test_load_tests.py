@@ -217,7 +217,8 @@ def test_batch_size_bound_counts_that_many_long_responses_need_small_batches():
     assert 0.99 * step["makespan_s"] <= step["bound_batch_s"] <= step["makespan_s"]
 
 
-@pytest.mark.parametrize("policy", ["rebalance", "rebalance+isolate", "length-oracle+rebalance"])
+@pytest.mark.parametrize("policy", ["rebalance", "rebalance+isolate", "rebalance+repack", "length-packed+rebalance",
+                                    "length-oracle+rebalance", "length-oracle-packed+rebalance"])
 def test_length_aware_runs_deliver_every_sample_once_within_the_bound(policy):
     w = quick()
     # A small KV cache: the engines preempt, the bound's KV term is on.

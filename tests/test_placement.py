@@ -219,3 +219,26 @@ def test_an_engine_running_a_long_response_does_not_take_the_overflow():
     assert policy.place(q, loads(2, max_seqs=4), {"e0": 1, "e1": 3})[0][1] == "e1"
     policy = _length_aware({}, in_flight={"e0": (3000.0, 3000.0)})
     assert policy.place(queue_of(1, 1), loads(1, max_seqs=4), {"e0": 1})[0][1] == "e0"
+
+
+def test_packing_puts_long_responses_together_and_short_ones_in_large_batches():
+    # Four 1,000-token responses and forty of 200 on two engines. Longest-first spreading puts
+    # two long ones on each engine, each then slowed by twenty short ones (predicted time
+    # 1,000 + 0.04 * 6,000 = 1,240 lone steps per engine); packing ends sooner: the four long
+    # ones together (1,000 + 0.04 * 4,000 = 1,160), the short ones in one large batch (520).
+    lengths = {f"g0/{i}": 1000 for i in range(4)}
+    lengths.update({f"g{g}/{i}": 200 for g in range(1, 11) for i in range(4)})
+    spread = _length_aware(lengths)
+    spread.hold = False
+    by = by_engine(spread.place(queue_of(11, 4), loads(2, max_seqs=64), {}))
+    assert sorted(sum(r.startswith("g0/") for r in ids) for ids in by.values()) == [2, 2]
+    packed = _length_aware(lengths)
+    packed.pack = True
+    q = queue_of(11, 4)
+    by = by_engine(packed.place(q, loads(2, max_seqs=64), {}))
+    long_engine = next(e for e, ids in by.items() if "g0/0" in ids)
+    assert sorted(by[long_engine]) == [f"g0/{i}" for i in range(4)] and len(q) == 0
+    # Never more than max_seqs per engine: the rest waits in the queue.
+    q = queue_of(11, 4)
+    decisions = packed.place(q, loads(2, max_seqs=8), {})
+    assert max(len(ids) for ids in by_engine(decisions).values()) <= 8 and len(q) == 44 - len(decisions) > 0

@@ -212,3 +212,28 @@ def test_isolation_respects_the_migration_bound_and_cooldown():
     # Moving the 7 others saves 4.8% of e0's predicted time.
     moved = {m.request_id for m in plan_moves(dataclasses.replace(ISO, min_gain=0.03), engines, reqs, now=10.0)}
     assert moved and "co0" not in moved and not any(int(i[2:]) % 2 for i in moved)
+
+
+def _mixed_fleet(informed=True):
+    """Two engines, each running two 1,000-token responses and twenty of 200."""
+    engines = [EngineView("e0", 22, 0, 64), EngineView("e1", 22, 0, 64)]
+    reqs = []
+    for e in ("e0", "e1"):
+        reqs += [RequestView(f"{e}-long{i}", e, 1000, 2000, 100, informed=informed) for i in range(2)]
+        reqs += [RequestView(f"{e}-short{i}", e, 200, 400, 100, informed=informed) for i in range(20)]
+    return engines, reqs
+
+
+def test_repack_regroups_long_responses_onto_one_engine():
+    cfg = RebalanceConfig(repack=True, per_sequence_cost=0.04, prefill_cost=0.005, max_moves_per_tick=64)
+    engines, reqs = _mixed_fleet()
+    assert plan_moves(RebalanceConfig(per_sequence_cost=0.04), engines, reqs, now=10.0) == []  # off by default
+    moves = plan_moves(cfg, engines, reqs, now=10.0)
+    where = {r.request_id: r.engine_id for r in reqs}
+    where.update({m.request_id: m.target for m in moves})
+    long_engines = {e for r, e in where.items() if "long" in r}
+    assert len(long_engines) == 1  # all four long responses together...
+    assert all(e not in long_engines for r, e in where.items() if "short" in r)  # ...the short ones elsewhere
+    # Only what the predictor knows about (a finished sibling, the prompt's history) moves.
+    engines, reqs = _mixed_fleet(informed=False)
+    assert plan_moves(cfg, engines, reqs, now=10.0) == []

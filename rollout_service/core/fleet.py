@@ -90,7 +90,7 @@ class FleetMixin:
             engines.append(EngineView(eid, self.assigned[eid], load.waiting, load.max_seqs,
                                       ready=load.state == "ready" and eid not in self._restarting,
                                       kv_used=load.kv_used_tokens, kv_capacity=load.kv_capacity_tokens))
-        if not self.rebalance.isolate_tail and not any(is_drained(self.rebalance, e) for e in engines):
+        if not (self.rebalance.isolate_tail or self.rebalance.repack) and not any(is_drained(self.rebalance, e) for e in engines):
             return []  # nothing can take work: skip the predictions
         views = []
         for req, _ in self.running.values():
@@ -101,7 +101,7 @@ class FleetMixin:
                 req.request_id, req.engine_id, est.median, est.high,
                 len(req.group.spec.prompt_token_ids) + len(req.token_ids), req.num_migrations,
                 req.engines[-2] if len(req.engines) > 1 else None, req.moved_at,
-                started=len(req.token_ids) > req.segment_start,
+                started=len(req.token_ids) > req.segment_start, informed=self.predictor.informed(req),
             ))
         moves = plan_moves(self.rebalance, engines, views, now)
         for move in moves:

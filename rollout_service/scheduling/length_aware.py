@@ -26,6 +26,13 @@ prompt's KV cache, but their lengths are correlated (a group that answers
 long answers long on every sample): on the PolyTrace code replay it put the
 long groups' samples together and made the step slower than spreading them.
 
+With `pack` (the `length-packed` placement) it packs instead of spreading:
+engines of like predicted lengths, long responses together in small
+batches, short ones in large batches elsewhere (`_place_packed`). With the
+true lengths that is the better schedule when many responses are long (the
+PolyTrace code replay); with the service's predictions at placement it is
+worse than spreading, since it commits to lengths it does not know yet.
+
 Pure given its inputs: the queue, the load snapshot, the in-flight counts and
 `load_of(engine_id)` -> (predicted remaining tokens, longest predicted
 remaining response) of the requests in flight on an engine, which the core
@@ -45,8 +52,10 @@ class LengthAwarePlacement:
     name = "length-aware"
 
     def __init__(self, predictor: LengthPredictor | None = None, affinity_slack: float | None = None,
-                 per_sequence_cost: float = 0.04, prefill_cost: float = 0.005, hold: bool = True) -> None:
+                 per_sequence_cost: float = 0.04, prefill_cost: float = 0.005, hold: bool = True,
+                 pack: bool = False) -> None:
         self.predictor = predictor or LengthPredictor()
+        self.pack = pack
         self.affinity_slack = affinity_slack
         self.per_sequence_cost = per_sequence_cost
         self.prefill_cost = prefill_cost
@@ -58,6 +67,8 @@ class LengthAwarePlacement:
         self.load_of = load_of
 
     def place(self, queue: deque[Request], loads, assigned):
+        if self.pack:
+            return self._place_packed(queue, loads, assigned)
         engines = [l for l in loads if l.state in ("ready", "updating")]
         free = {l.engine_id: l.max_seqs - assigned.get(l.engine_id, 0) for l in engines}
         free = {e: n for e, n in free.items() if n > 0}
@@ -110,4 +121,72 @@ class LengthAwarePlacement:
             queue.extend(rest)
         if len(self._group_home) > 100_000:
             self._group_home.clear()
+        return out
+
+    # -- packing: engines of like lengths ------------------------------------------
+
+    def _place_packed(self, queue: deque[Request], loads, assigned):
+        """Length-sorted packing: the least predicted makespan T for which the
+        queue, longest predicted first, fits first-fit onto the engines (the
+        engines already running the longest responses first), each engine's
+        predicted time staying at most T. Long responses then share engines
+        with long ones in small batches and short ones fill large batches
+        elsewhere: with a step cost of `1 + per_sequence_cost * running`, an
+        engine ends after its longest response plus `per_sequence_cost` per
+        token it carries, so engines whose longest response is short can
+        carry many more tokens in the same time than a longest-first spread
+        (LPT), which puts a long response on every engine, allows."""
+        engines = [l for l in loads if l.state in ("ready", "updating")]
+        free = {l.engine_id: l.max_seqs - assigned.get(l.engine_id, 0) for l in engines}
+        if not queue or not any(n > 0 for n in free.values()):
+            return []
+        cap = {l.engine_id: max(1, l.max_seqs) for l in engines}
+        work, longest = {}, {}
+        for l in engines:
+            work[l.engine_id], longest[l.engine_id] = self.load_of(l.engine_id)
+        order_e = sorted(cap, key=lambda e: (-longest[e], e))
+        remaining = {id(r): self.predictor.predict(r).median for r in queue}
+        order = sorted(queue, key=lambda r: (not r.token_ids, -(len(r.token_ids) + remaining[id(r)])))
+
+        def time(e, w, lng, prefill):
+            return max(lng, w / cap[e]) + self.per_sequence_cost * w + self.prefill_cost * prefill
+
+        def assign(T: float):
+            """First fit under T; None if a request fits nowhere while slots are free."""
+            w, lng, pre, slots = dict(work), dict(longest), {e: 0.0 for e in cap}, dict(free)
+            out = []
+            for req in order:
+                open_ = [e for e in order_e if slots.get(e, 0) > 0]
+                if not open_:
+                    break  # the rest waits for slots
+                add = remaining[id(req)]
+                context = len(req.group.spec.prompt_token_ids) + len(req.token_ids)
+                for e in open_:
+                    if time(e, w[e] + add, max(lng[e], add), pre[e] + context) <= T:
+                        break
+                else:
+                    return None
+                out.append((req, e))
+                w[e] += add
+                lng[e] = max(lng[e], add)
+                pre[e] += context
+                slots[e] -= 1
+            return out
+
+        lo = max(time(e, work[e], longest[e], 0.0) for e in cap)
+        hi = max(lo, 1.0)
+        while assign(hi) is None:
+            lo, hi = hi, hi * 2
+        for _ in range(30):
+            mid = (lo + hi) / 2
+            if assign(mid) is None:
+                lo = mid
+            else:
+                hi = mid
+        out = assign(hi)
+        placed = {id(r) for r, _ in out}
+        if placed:
+            rest = [r for r in queue if id(r) not in placed]
+            queue.clear()
+            queue.extend(rest)
         return out

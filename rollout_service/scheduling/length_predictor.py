@@ -132,6 +132,12 @@ class LengthPredictor:
             med, high = self.default_length, 4.0 * self.default_length
         return LengthEstimate(min(med, budget), min(high, budget))
 
+    def informed(self, req: Request) -> bool:
+        """Does the prediction rest on the request's own group or prompt
+        (a finished sibling, the prompt's history), not only on other prompts?"""
+        spec = req.group.spec
+        return bool(self._siblings.get(spec.group_id)) or bool(spec.prompt_id and spec.prompt_id in self._per_prompt)
+
     def predict_total(self, req: Request) -> float:
         """Predicted median total length (for ordering queued work)."""
         return len(req.token_ids) + self.predict(req).median

@@ -150,6 +150,17 @@ PLACEMENTS = {p.name: p for p in (LeastAssigned, StaticSplit, StickyRoundRobin)}
 PLACEMENTS["length-aware"] = _length_aware  # longest predicted first, least predicted work (LPT)
 
 
+def _length_packed():
+    from rollout_service.scheduling.length_aware import LengthAwarePlacement
+
+    placement = LengthAwarePlacement(pack=True)
+    placement.name = "length-packed"
+    return placement
+
+
+PLACEMENTS["length-packed"] = _length_packed  # engines of like predicted lengths
+
+
 def make_placement(name: str) -> Placement:
     try:
         return PLACEMENTS[name]()

@@ -27,6 +27,7 @@ def register_mechanism(name: str, description: str) -> None:
 
 register_mechanism("rebalance", "length-aware placement and rebalancing with partial-rollout migration")
 register_mechanism("isolate", "rebalancing also moves co-runners off the engines whose longest response may end the step")
+register_mechanism("repack", "rebalancing also regroups in-flight requests onto engines of like predicted lengths")
 register_mechanism("partial", "partial rollout: over-provisioned steps, unfinished groups carried into the next version")
 
 
@@ -68,8 +69,9 @@ def parse_policy(text: str) -> PolicySpec:
             mechanisms.append(part)
         else:
             raise ValueError(f"unknown policy {part!r} in {text!r}; {_known()}")
-    if "isolate" in mechanisms and "rebalance" not in mechanisms:
-        raise ValueError(f"policy {text!r}: 'isolate' is part of rebalancing; write 'rebalance+isolate'")
+    for part in ("isolate", "repack"):
+        if part in mechanisms and "rebalance" not in mechanisms:
+            raise ValueError(f"policy {text!r}: {part!r} is part of rebalancing; write 'rebalance+{part}'")
     if placement is None and "rebalance" in mechanisms:
         placement = "length-aware"  # rebalancing places by predicted length too
     return PolicySpec(placement or DEFAULT_PLACEMENT, tuple(mechanisms))

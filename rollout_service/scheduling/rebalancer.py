@@ -61,6 +61,7 @@ class RebalanceConfig:
     max_moves_per_tick: int = 16
     cooldown_s: float = 1.0  # a moved request stays put at least this long
     isolate_tail: bool = False  # move co-runners off the engines whose longest response may end the step
+    repack: bool = False  # regroup in-flight requests onto engines of like predicted lengths
 
 
 @dataclass(slots=True)
@@ -85,6 +86,7 @@ class RequestView:
     previous_engine: str | None = None  # the engine it was moved from last
     moved_at: float = float("-inf")
     started: bool = True  # has produced a token on its current engine
+    informed: bool = True  # its prediction rests on its own group or prompt (finished siblings, history)
 
 
 @dataclass(slots=True)
@@ -161,9 +163,64 @@ def plan_moves(cfg: RebalanceConfig, engines: list[EngineView], requests: list[R
             target.reprefill += r.context_tokens
             if len(target.requests) >= cfg.drained_fraction * target.view.max_seqs:
                 break
+    if cfg.repack and not moves:
+        moves = repack(cfg, ready, now)[: cfg.max_moves_per_tick]
     if cfg.isolate_tail and not moves:  # a tick either fills drained engines or isolates a tail
         moves = isolate_tail(cfg, ready, now)[: cfg.max_moves_per_tick]
     return moves
+
+
+def repack(cfg: RebalanceConfig, ready: list[_Load], now: float) -> list[Move]:
+    """Moves that regroup the in-flight requests onto engines of like
+    predicted lengths (the packing of `LengthAwarePlacement`, module
+    docstring there): the least predicted makespan T for which the requests,
+    longest predicted first, fit first-fit onto the engines (those running the
+    longest responses first),
+    if T is `min_gain` below the current predicted makespan after the moved
+    requests' re-prefill."""
+    if len(ready) < 2:
+        return []
+    current = max(l.time for l in ready)
+    engines = sorted(ready, key=lambda l: (-max((r.remaining for r in l.requests), default=0.0), l.view.engine_id))
+    pinned = {l.view.engine_id: [r for r in l.requests if not (r.informed and movable(cfg, r, None, now))]
+              for l in engines}
+    loose = sorted((r for l in engines for r in l.requests if r.informed and movable(cfg, r, None, now)),
+                   key=lambda r: (-r.remaining, r.request_id))
+    if not loose:
+        return []
+
+    def assign(T: float):
+        placed = {l.view.engine_id: list(pinned[l.view.engine_id]) for l in engines}
+        reprefill = {l.view.engine_id: 0 for l in engines}
+        plan = {}
+        for r in loose:
+            for l in engines:  # first fit
+                eid = l.view.engine_id
+                if len(placed[eid]) >= l.view.max_seqs or (eid != r.engine_id and r.previous_engine == eid):
+                    continue
+                extra = 0 if eid == r.engine_id else r.context_tokens
+                if predicted_time(cfg, l.view, placed[eid] + [r], reprefill[eid] + extra) <= T:
+                    placed[eid].append(r)
+                    reprefill[eid] += extra
+                    plan[r.request_id] = eid
+                    break
+            else:
+                return None
+        return plan
+
+    lo, hi = 0.0, (1 - cfg.min_gain) * current
+    if assign(hi) is None:
+        return []  # no regrouping shortens the predicted makespan enough
+    for _ in range(20):
+        mid = (lo + hi) / 2
+        if assign(mid) is None:
+            lo = mid
+        else:
+            hi = mid
+    plan = assign(hi)
+    return [Move(r.request_id, r.engine_id, plan[r.request_id],
+                 f"regrouping by predicted length: predicted makespan {current:.0f} -> {hi:.0f} steps")
+            for r in loose if plan[r.request_id] != r.engine_id]
 
 
 def _best_candidate(cfg: RebalanceConfig, source: _Load, target: _Load,
