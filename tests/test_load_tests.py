@@ -218,7 +218,8 @@ def test_batch_size_bound_counts_that_many_long_responses_need_small_batches():
 
 
 @pytest.mark.parametrize("policy", ["rebalance", "rebalance+isolate", "rebalance+repack", "length-packed+rebalance",
-                                    "length-oracle+rebalance", "length-oracle-packed+rebalance"])
+                                    "length-oracle+rebalance", "length-oracle-packed+rebalance",
+                                    "length-noisy-0.5-packed+rebalance"])
 def test_length_aware_runs_deliver_every_sample_once_within_the_bound(policy):
     w = quick()
     # A small KV cache: the engines preempt, the bound's KV term is on.
@@ -246,3 +247,21 @@ def test_predictor_accuracy_reports_rank_correlations():
     assert r["placement"]["n"] == r["samples"] == 64
     assert r["after_first_sibling"]["n"] > 0
     assert -1.0 <= r["after_first_sibling"]["rho_total"] <= 1.0
+
+
+def test_noisy_length_references_rank_lengths_as_their_noise_says():
+    from scipy import stats
+
+    from load_tests.oracle import NoisyLengthPredictor, true_length
+    from rollout_service.core.types import Group, GroupSpec, Request, SamplingParams
+
+    w = load_workload("code", steps=1)
+    groups = [GroupSpec(f"g{i}", [1] * g.prompt_len, g.num_samples, SamplingParams(max_tokens=w.max_tokens),
+                        metadata={"sim.target_lengths": ",".join(map(str, g.output_lens))})
+              for i, g in enumerate(w.steps[0])]
+    reqs = [Request(f"{s.group_id}/{j}", Group(s), j) for s in groups for j in range(s.num_samples)]
+    truth = [true_length(r) for r in reqs]
+    rho = {sigma: stats.spearmanr(truth, [NoisyLengthPredictor(sigma).predict(r).median for r in reqs])[0]
+           for sigma in (0.25, 1.0)}
+    assert rho[0.25] > 0.8 and 0.3 < rho[1.0] < rho[0.25]
+    assert NoisyLengthPredictor(0.25).predict(reqs[0]) == NoisyLengthPredictor(0.25).predict(reqs[0])  # fixed per request
