@@ -38,7 +38,7 @@ sends them wherever a slot frees first. Placement's hold rule keeps new
 work off the tail's engine while it is the predicted maximum. Off by
 default (`isolate_tail`): it pays only when the predictions of a running
 response's remaining length are reliable, which on the PolyTrace replays
-they are not (docs/benchmarks.md, "Knowing early").
+they are not (docs/benchmarks.md, "The service's variants").
 """
 from __future__ import annotations
 
