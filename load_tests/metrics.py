@@ -67,6 +67,7 @@ import numpy as np
 
 from load_tests.driver import StepRecord
 from rollout_service.core.aio import cancel_and_wait
+from rollout_service.scheduling.rebalancer import least_feasible
 
 # Virtual time adds step times one float at a time; the closed form may differ by rounding.
 _ROUNDING = 1e-9
@@ -181,10 +182,7 @@ def _batch_sizes(L: np.ndarray, fixed_time: np.ndarray, own_total: float, b: flo
     lo, hi = longest, max(longest, 1e-9) * 2
     while not fits(hi):
         lo, hi = hi, hi * 2
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
-    return hi
+    return least_feasible(lambda T: True if fits(T) else None, lo, hi, rounds=60)[0]
 
 
 def _shared_steps(L: np.ndarray, own: np.ndarray, b: float, s: float, steps: float, fixed: float,

@@ -46,6 +46,7 @@ from typing import Callable
 
 from rollout_service.core.types import Request
 from rollout_service.scheduling.length_predictor import LengthPredictor
+from rollout_service.scheduling.rebalancer import least_feasible
 
 
 class LengthAwarePlacement:
@@ -177,13 +178,7 @@ class LengthAwarePlacement:
         hi = max(lo, 1.0)
         while assign(hi) is None:
             lo, hi = hi, hi * 2
-        for _ in range(30):
-            mid = (lo + hi) / 2
-            if assign(mid) is None:
-                lo = mid
-            else:
-                hi = mid
-        out = assign(hi)
+        _, out = least_feasible(assign, lo, hi)
         placed = {id(r) for r, _ in out}
         if placed:
             rest = [r for r in queue if id(r) not in placed]

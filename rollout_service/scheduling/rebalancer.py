@@ -208,16 +208,10 @@ def repack(cfg: RebalanceConfig, ready: list[_Load], now: float) -> list[Move]:
                 return None
         return plan
 
-    lo, hi = 0.0, (1 - cfg.min_gain) * current
+    hi = (1 - cfg.min_gain) * current
     if assign(hi) is None:
         return []  # no regrouping shortens the predicted makespan enough
-    for _ in range(20):
-        mid = (lo + hi) / 2
-        if assign(mid) is None:
-            lo = mid
-        else:
-            hi = mid
-    plan = assign(hi)
+    hi, plan = least_feasible(assign, 0.0, hi, rounds=20)
     return [Move(r.request_id, r.engine_id, plan[r.request_id],
                  f"regrouping by predicted length: predicted makespan {current:.0f} -> {hi:.0f} steps")
             for r in loose if plan[r.request_id] != r.engine_id]
@@ -244,6 +238,21 @@ def _best_candidate(cfg: RebalanceConfig, source: _Load, target: _Load,
         if best_key is None or key < best_key:
             best, best_key = (r, source_time, target_time), key
     return best
+
+
+def least_feasible(attempt, lo: float, hi: float, rounds: int = 30):
+    """Bisection for the least T in (lo, hi] where `attempt(T)` is not None
+    (it must not be at `hi`, and once feasible stays so as T grows):
+    (T, attempt(T))."""
+    best = attempt(hi)
+    for _ in range(rounds):
+        mid = (lo + hi) / 2
+        got = attempt(mid)
+        if got is None:
+            lo = mid
+        else:
+            hi, best = mid, got
+    return hi, best
 
 
 def movable(cfg: RebalanceConfig, r: RequestView, target: str | None, now: float) -> bool:
