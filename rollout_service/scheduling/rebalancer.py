@@ -174,10 +174,10 @@ def repack(cfg: RebalanceConfig, ready: list[_Load], now: float) -> list[Move]:
     """Moves that regroup the in-flight requests onto engines of like
     predicted lengths (the packing of `LengthAwarePlacement`, module
     docstring there): the least predicted makespan T for which the requests,
-    longest predicted first, fit first-fit onto the engines (those running the
-    longest responses first),
-    if T is `min_gain` below the current predicted makespan after the moved
-    requests' re-prefill."""
+    longest predicted first, fit first-fit onto the engines (those running
+    the longest responses first), if T is `min_gain` below the current
+    predicted makespan after the moved requests' re-prefill. Only requests
+    whose prediction rests on their own group or prompt move."""
     if len(ready) < 2:
         return []
     current = max(l.time for l in ready)
