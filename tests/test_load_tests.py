@@ -265,3 +265,20 @@ def test_noisy_length_references_rank_lengths_as_their_noise_says():
            for sigma in (0.25, 1.0)}
     assert rho[0.25] > 0.8 and 0.3 < rho[1.0] < rho[0.25]
     assert NoisyLengthPredictor(0.25).predict(reqs[0]) == NoisyLengthPredictor(0.25).predict(reqs[0])  # fixed per request
+
+
+def test_information_plot_draws_both_panels_from_quick_runs(tmp_path):
+    from load_tests.information_plot import _ratios, plot
+
+    horizon, noisy = tmp_path / "horizon", tmp_path / "noisy"
+    assert main(["run", "--workload", "video", "--engines", "4", "--quick", "--quiet", "--no-plots",
+                 "--policy", "rebalance,length-oracle-after-16+rebalance,length-oracle+rebalance",
+                 "--report", str(horizon)]) == 0
+    assert main(["run", "--workload", "code", "--engines", "4", "--quick", "--quiet", "--no-plots",
+                 "--policy", "rebalance,length-noisy-0.5+rebalance,length-oracle-packed+rebalance",
+                 "--report", str(noisy)]) == 0
+    assert set(_ratios(noisy)["code"]) == {"length-aware+rebalance", "length-noisy-0.5+rebalance",
+                                          "length-oracle-packed+rebalance"}
+    # Video: the service's predictor, lengths after 16 tokens, at placement; code: spread, then packed.
+    assert plot(horizon, noisy, tmp_path / "fig.png") == {"left": 1, "right": 1}
+    assert (tmp_path / "fig.png").stat().st_size > 10_000
