@@ -36,13 +36,27 @@ def _weights():
     return load_file(os.path.join(vllm_model(), "model.safetensors"))
 
 
-async def _push_mid_generation(service, client, gid, n=8, max_tokens=400):
-    """Submit a group, push weights once some of it is half-way, collect it."""
-    await client.submit([PromptGroup(prompt_token_ids=PROMPT, num_samples=n, max_tokens=max_tokens, temperature=1.0,
-                                     group_id=gid)])
-    group = service.core.groups[gid]
-    while not any(len(r.token_ids) >= 10 and r.finish_reason is None for r in group.requests):
-        await asyncio.sleep(0.005)
+async def _push_mid_generation(service, client, prefix, n=8, max_tokens=400, attempts=5):
+    """Submit a group, push weights once some of it is half-way, collect it.
+    On a busy machine a whole group can finish between two looks (its tokens
+    arrive in a few large deltas): then it tries again with a fresh group."""
+    for attempt in range(attempts):
+        gid = f"{prefix}-{attempt}"
+        await client.submit([PromptGroup(prompt_token_ids=PROMPT, num_samples=n, max_tokens=max_tokens,
+                                         temperature=1.0, group_id=gid)])
+        group = service.core.groups.get(gid)
+        if group is None:
+            continue  # already complete
+        deadline = asyncio.get_running_loop().time() + 120
+        while not any(len(r.token_ids) >= 10 and r.finish_reason is None for r in group.requests):
+            if all(r.finish_reason is not None for r in group.requests):
+                break  # finished before we saw it half-way
+            assert asyncio.get_running_loop().time() < deadline, "no sample reached 10 tokens in 120 s"
+            await asyncio.sleep(0.005)
+        else:
+            break
+    else:
+        pytest.fail(f"{attempts} groups finished before any sample was seen half-way")
     old = service.core.policy_version
     reply = await client.push_weights(_weights(), version=old + 1)
     assert reply.applied_version == old + 1

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 from trainer_client import PromptGroup, RolloutClient
 
@@ -39,7 +40,9 @@ async def test_sigterm_checkpoints_and_a_restarted_server_delivers_each_group_on
                         return
 
             task = asyncio.create_task(consume())
+            deadline = time.time() + 120
             while len(received) < 10:
+                assert not task.done() and time.time() < deadline, "the stream delivered fewer than 10 samples"
                 await asyncio.sleep(0.05)
             server.send_signal(signal.SIGTERM)
             assert await asyncio.to_thread(server.wait, 60) == 0, server.stderr.read()
