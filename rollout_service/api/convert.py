@@ -5,6 +5,7 @@ from __future__ import annotations
 from rollout_proto import rollout_pb2 as pb
 from rollout_service.core.types import EngineLoad, Sample
 from rollout_service.core.weights import TensorSpec
+from rollout_service.engines.spec import depth_buckets
 
 
 def sample_to_pb(s: Sample) -> pb.Sample:
@@ -74,18 +75,14 @@ def spec_status_to_pb(st: dict) -> pb.SpecStatus:
         if e.get("method", "off") == "off":
             continue
         tuner = e.get("tuner") or {}
-        if tuner.get("buckets"):
-            buckets = [
-                pb.SpecDepthBucket(
-                    min_batch=b["batch"][0], max_batch=b["batch"][1], num_speculative_tokens=b["k"], best_k=b["best_k"],
-                    tokens_per_s_per_seq={int(k): v for k, v in b["tokens_per_s_per_seq"].items()},
-                    observations={int(k): v for k, v in b["observations"].items()},
-                )
-                for b in tuner["buckets"]
-            ]
-        else:  # a fixed schedule: [first, last, K] per bucket
-            buckets = [pb.SpecDepthBucket(min_batch=lo, max_batch=hi, num_speculative_tokens=k, best_k=k)
-                       for lo, hi, k in e.get("schedule", [])]
+        buckets = [
+            pb.SpecDepthBucket(
+                min_batch=b["batch"][0], max_batch=b["batch"][1], num_speculative_tokens=b["k"], best_k=b["best_k"],
+                tokens_per_s_per_seq={int(k): v for k, v in b["tokens_per_s_per_seq"].items()},
+                observations={int(k): v for k, v in b["observations"].items()},
+            )
+            for b in depth_buckets(e)
+        ]
         engines.append(pb.SpecEngineStatus(
             engine_id=eid, method=e["method"], max_k=e.get("max_k", 0), draft_version=e.get("draft_version", 0),
             steps=e.get("steps", 0), draft_tokens=round(e.get("draft_tokens", 0)),

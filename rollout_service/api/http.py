@@ -8,6 +8,7 @@ from aiohttp import web
 from rollout_service.api.openai_http import OpenAIFrontEnd
 from rollout_service.api.vllm_compat import VllmCompat
 from rollout_service.core.rollout import RolloutCore
+from rollout_service.engines.spec import depth_buckets
 
 if TYPE_CHECKING:
     from rollout_service.drafter.runtime import SpecRuntime
@@ -31,15 +32,11 @@ def _spec_metrics(spec: dict) -> list[str]:
     lines.append("# TYPE rollout_spec_depth gauge")
     lines.append("# TYPE rollout_spec_tokens_per_s_per_seq gauge")
     for eid, e in engines.items():
-        buckets = (e.get("tuner") or {}).get("buckets")
-        if buckets:
-            for b in buckets:
-                batch = f'{b["batch"][0]}-{b["batch"][1]}'
-                lines.append(f'rollout_spec_depth{{engine="{eid}",batch="{batch}"}} {b["k"]}')
-                lines += [f'rollout_spec_tokens_per_s_per_seq{{engine="{eid}",batch="{batch}",k="{k}"}} {v}'
-                          for k, v in b["tokens_per_s_per_seq"].items()]
-        else:
-            lines += [f'rollout_spec_depth{{engine="{eid}",batch="{lo}-{hi}"}} {k}' for lo, hi, k in e.get("schedule", [])]
+        for b in depth_buckets(e):
+            batch = f'{b["batch"][0]}-{b["batch"][1]}'
+            lines.append(f'rollout_spec_depth{{engine="{eid}",batch="{batch}"}} {b["k"]}')
+            lines += [f'rollout_spec_tokens_per_s_per_seq{{engine="{eid}",batch="{batch}",k="{k}"}} {v}'
+                      for k, v in b["tokens_per_s_per_seq"].items()]
     return lines
 
 

@@ -251,3 +251,14 @@ class SpecMonitor:
             "acceptance_by_position": per_pos,
             "tuner": dict(self.tuner_state),
         }
+
+
+def depth_buckets(engine_status: dict[str, Any]) -> list[dict[str, Any]]:
+    """The depth in force per running-batch bucket of an engine's `spec`
+    status: the tuner's buckets (with its measurements) when it tunes, else
+    the fixed schedule's, in the same form (no measurements)."""
+    buckets = (engine_status.get("tuner") or {}).get("buckets")
+    if buckets:
+        return buckets
+    return [{"batch": [lo, hi], "k": k, "best_k": k, "tokens_per_s_per_seq": {}, "observations": {}}
+            for lo, hi, k in engine_status.get("schedule", [])]
