@@ -68,10 +68,6 @@ class FleetMixin:
                 self._work_cache = cache
         return cache.get(engine_id, (0.0, 0.0))
 
-    def predicted_work(self, engine_id: str) -> float:
-        """Predicted remaining tokens of the requests placed on an engine."""
-        return self.predicted_load(engine_id)[0]
-
     async def _rebalance_loop(self) -> None:
         while True:
             await asyncio.sleep(self.rebalance.interval_s)
