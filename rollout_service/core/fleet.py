@@ -89,6 +89,7 @@ class FleetMixin:
         if not (self.rebalance.isolate_tail or self.rebalance.repack) and not any(is_drained(self.rebalance, e) for e in engines):
             return []  # nothing can take work: skip the predictions
         views = []
+        repack = self.rebalance.repack  # the only reader of `informed`
         for req, _ in self.running.values():
             if req.engine_id is None:
                 continue
@@ -97,7 +98,7 @@ class FleetMixin:
                 req.request_id, req.engine_id, est.median, est.high,
                 len(req.group.spec.prompt_token_ids) + len(req.token_ids), req.num_migrations,
                 req.engines[-2] if len(req.engines) > 1 else None, req.moved_at,
-                started=len(req.token_ids) > req.segment_start, informed=self.predictor.informed(req),
+                started=len(req.token_ids) > req.segment_start, informed=self.predictor.informed(req) if repack else True,
             ))
         moves = plan_moves(self.rebalance, engines, views, now)
         for move in moves:
