@@ -30,8 +30,8 @@ import numpy as np
 from load_tests.bench_weight_push import state_dict
 from load_tests.report import save_json
 from rollout_service.config import EngineConfig
-from rollout_service.core.weights import StagedWeights, WeightTensor
-from rollout_service.engines.factory import make_engines, model_info
+from rollout_service.engines.weights import StagedWeights, WeightTensor
+from rollout_service.factory import make_engines, model_info
 from rollout_service.engines.ray_engine import weights_ref
 
 STORE_GB = 2.5  # object store of each node

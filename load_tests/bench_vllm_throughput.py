@@ -82,7 +82,7 @@ async def run(args) -> dict:
 
 
 def main() -> None:
-    from rollout_service.engines.factory import default_model_path
+    from rollout_service.factory import default_model_path
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=default_model_path())

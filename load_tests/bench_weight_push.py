@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from rollout_service.config import EngineConfig, ServiceConfig
-from rollout_service.core.weights import WeightTensor, write_safetensors
+from rollout_service.engines.weights import WeightTensor, write_safetensors
 from rollout_service.service import RolloutService
 from trainer_client import RolloutClient
 

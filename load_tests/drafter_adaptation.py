@@ -43,7 +43,7 @@ from load_tests.report import save_json
 def _staged(state: dict):
     import torch
 
-    from rollout_service.core.weights import StagedWeights, WeightTensor
+    from rollout_service.engines.weights import StagedWeights, WeightTensor
 
     tensors = [WeightTensor(k, "float32", tuple(v.shape), memoryview(v.detach().contiguous().view(-1).view(torch.uint8).numpy()))
                for k, v in state.items()]
@@ -114,7 +114,8 @@ async def run(args) -> dict:
     from rollout_service.assets import tiny_draft_path, tiny_model_path
     from rollout_service.core.clock import Clock
     from rollout_service.core.rollout import RolloutCore
-    from rollout_service.core.types import GroupSpec, SamplingParams
+    from rollout_service.engines.types import SamplingParams
+    from rollout_service.lifecycle.types import GroupSpec
     from rollout_service.drafter import DrafterTrainer, TrainerConfig
     from rollout_service.engines.vllm import VllmEngine
     from rollout_service.scheduling import make_placement

@@ -66,7 +66,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from load_tests.driver import StepRecord
-from rollout_service.core.aio import cancel_and_wait
+from rollout_service.aio import cancel_and_wait
 from rollout_service.scheduling.rebalancer import least_feasible
 
 # Virtual time adds step times one float at a time; the closed form may differ by rounding.

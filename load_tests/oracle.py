@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import random
 
-from rollout_service.core.types import Request
+from rollout_service.lifecycle.types import Request
 from rollout_service.scheduling.length_aware import LengthAwarePlacement
 from rollout_service.scheduling.length_predictor import LengthEstimate, LengthPredictor
 from rollout_service.scheduling.placement import PLACEMENTS

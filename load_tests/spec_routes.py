@@ -29,7 +29,7 @@ import uuid
 from pathlib import Path
 
 from load_tests.report import save_json
-from rollout_service.core.types import EngineRequest, SamplingParams
+from rollout_service.engines.types import EngineRequest, SamplingParams
 from rollout_service.engines.vllm import VllmEngine
 
 

@@ -38,7 +38,8 @@ ROUTES = {
 
 
 async def run_step(core, groups, tag: str, tail_per_engine: int) -> dict:
-    from rollout_service.core.types import GroupSpec, SamplingParams
+    from rollout_service.engines.types import SamplingParams
+    from rollout_service.lifecycle.types import GroupSpec
 
     specs = [GroupSpec(f"{tag}-g{i}", list(g.prompt_token_ids), g.num_samples,
                        SamplingParams(max_tokens=groups.max_tokens, temperature=1.0)) for i, g in enumerate(groups.groups)]
@@ -86,7 +87,7 @@ async def run_route(name: str, args, workload) -> dict:
     from rollout_service.core.clock import Clock
     from rollout_service.core.rollout import RolloutCore
     from rollout_service.drafter import SpecRuntime
-    from rollout_service.engines.factory import make_engines, model_info
+    from rollout_service.factory import make_engines, model_info
     from rollout_service.engines.spec import SpecConfig
     from rollout_service.scheduling import make_placement
 

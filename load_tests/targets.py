@@ -24,9 +24,10 @@ from load_tests.driver import Completion, GroupRequest
 from rollout_service.config import EngineConfig, ServiceConfig
 from rollout_service.core.clock import Clock
 from rollout_service.core.rollout import RolloutCore
-from rollout_service.core.types import GroupSpec, SamplingParams
+from rollout_service.engines.types import SamplingParams
+from rollout_service.lifecycle.types import GroupSpec
 from rollout_service.drafter.runtime import SpecRuntime, mechanism_spec
-from rollout_service.engines.factory import make_engines, model_info
+from rollout_service.factory import make_engines, model_info
 from rollout_service.engines.spec import SpecConfig
 from rollout_service.partial import CarryOverConfig
 from rollout_service.scheduling import PolicySpec, make_placement
@@ -99,7 +100,7 @@ class Fleet:
 
 def _staged(state: dict):
     """A verified push of `state`, in the form `RolloutCore.update_weights` takes."""
-    from rollout_service.core import weights as w
+    from rollout_service.engines import weights as w
 
     tensors = [w.WeightTensor(name, str(a.dtype), tuple(a.shape), memoryview(a.reshape(-1).view(np.uint8)))
                for name, a in state.items()]

@@ -22,7 +22,7 @@ from rollout_service.config import ServiceConfig
 from rollout_service.core.clock import Clock
 from rollout_service.core.rollout import CoreLimits, RolloutCore
 from rollout_service.drafter.runtime import SpecRuntime
-from rollout_service.engines.factory import load_tokenizer, make_engines, model_info
+from rollout_service.factory import load_tokenizer, make_engines, model_info
 from rollout_service.engines.spec import SpecConfig
 from rollout_service.scheduling import make_placement
 

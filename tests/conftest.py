@@ -40,7 +40,7 @@ def unique(prefix: str) -> str:
 
 def vllm_model() -> str:
     """The bundled tiny reasoner (ROLLOUT_TEST_MODEL overrides it)."""
-    from rollout_service.engines.factory import default_model_path
+    from rollout_service.factory import default_model_path
 
     return os.environ.get("ROLLOUT_TEST_MODEL") or default_model_path()
 

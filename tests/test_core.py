@@ -6,8 +6,9 @@ import time
 
 from rollout_service.core.clock import Clock, run_virtual
 from rollout_service.core.rollout import RolloutCore
-from rollout_service.core.types import GroupSpec, SamplingParams
-from rollout_service.core.versions import VersionTags
+from rollout_service.engines.types import SamplingParams
+from rollout_service.lifecycle.types import GroupSpec
+from rollout_service.lifecycle.versions import VersionTags
 from rollout_service.engines.sim import SimEngine, SimParams
 from rollout_service.scheduling import make_placement
 from rollout_service.service import RolloutService
@@ -61,7 +62,7 @@ def test_sim_engine_respects_max_seqs_and_kv_capacity():
 
 
 def test_sim_engine_streams_progress_at_least_every_max_run_steps():
-    from rollout_service.core.types import EngineRequest
+    from rollout_service.engines.types import EngineRequest
 
     async def run(max_run_steps):
         engine = SimEngine("e0", SimParams(max_run_steps=max_run_steps))

@@ -253,7 +253,8 @@ def test_noisy_length_references_rank_lengths_as_their_noise_says():
     from scipy import stats
 
     from load_tests.oracle import NoisyLengthPredictor, true_length
-    from rollout_service.core.types import Group, GroupSpec, Request, SamplingParams
+    from rollout_service.engines.types import SamplingParams
+    from rollout_service.lifecycle.types import Group, GroupSpec, Request
 
     w = load_workload("code", steps=1)
     groups = [GroupSpec(f"g{i}", [1] * g.prompt_len, g.num_samples, SamplingParams(max_tokens=w.max_tokens),

@@ -5,7 +5,8 @@ from collections import Counter, deque
 
 import pytest
 
-from rollout_service.core.types import EngineLoad, Group, GroupSpec, Request, SamplingParams
+from rollout_service.engines.types import EngineLoad, SamplingParams
+from rollout_service.lifecycle.types import Group, GroupSpec, Request
 from rollout_service.scheduling import PLACEMENTS, make_placement, parse_policies, parse_policy
 from rollout_service.scheduling.placement import LeastAssigned, split_evenly
 from rollout_service.scheduling.policy import MECHANISMS, register_mechanism

@@ -5,7 +5,8 @@ import dataclasses
 
 import pytest
 
-from rollout_service.core.types import Group, GroupSpec, Request, SamplingParams
+from rollout_service.engines.types import SamplingParams
+from rollout_service.lifecycle.types import Group, GroupSpec, Request
 from rollout_service.scheduling.length_predictor import LengthPredictor, spearman
 from rollout_service.scheduling.rebalancer import (
     EngineView,

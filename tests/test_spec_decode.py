@@ -19,7 +19,8 @@ pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 
 from rollout_service.config import EngineConfig, ServiceConfig  # noqa: E402
-from rollout_service.core.types import EngineRequest, SamplingParams  # noqa: E402
+from rollout_service.engines.types import EngineRequest
+from rollout_service.lifecycle.types import SamplingParams  # noqa: E402
 from rollout_service.drafter import DrafterTrainer, SpecRuntime, TrainerConfig  # noqa: E402
 from rollout_service.drafter.exactness import detectable_shift, homogeneity_test  # noqa: E402
 from rollout_service.engines.spec import SpecConfig  # noqa: E402
@@ -260,7 +261,7 @@ async def test_status_metrics_and_draft_pushes_over_grpc(spec_service, spec_engi
 
 
 def staged(state):
-    from rollout_service.core.weights import StagedWeights, WeightTensor
+    from rollout_service.engines.weights import StagedWeights, WeightTensor
 
     tensors = [WeightTensor(k, "float32", tuple(v.shape), memoryview(v.contiguous().view(-1).view(torch.uint8).numpy()))
                for k, v in state.items()]

@@ -11,7 +11,7 @@ import pytest
 
 from rollout_service.config import load_config
 from rollout_service.core.clock import run_virtual
-from rollout_service.core.types import EngineRequest, SamplingParams
+from rollout_service.engines.types import EngineRequest, SamplingParams
 from rollout_service.drafter import DepthTuner, TunerConfig, TunerLoop
 from rollout_service.drafter.exactness import detectable_shift, homogeneity_test
 from rollout_service.drafter.runtime import SpecRuntime, mechanism_spec
@@ -210,7 +210,7 @@ def test_policy_mechanisms_switch_speculation_on():
 async def test_spec_runtime_on_sim_engines_refreshes_the_drafter_per_policy_version():
     from rollout_service.core.clock import Clock
     from rollout_service.core.rollout import RolloutCore
-    from rollout_service.core.types import GroupSpec
+    from rollout_service.lifecycle.types import GroupSpec
     from rollout_service.scheduling import make_placement
 
     engines = [SimEngine(f"s{i}", _sim(spec_method="draft_model", spec_acceptance_drift=0.2, decode_base_s=0.0005))

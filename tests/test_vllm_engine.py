@@ -11,7 +11,6 @@ import signal
 import time
 
 import grpc
-import numpy as np
 import pytest
 
 pytest.importorskip("vllm")

@@ -3,8 +3,9 @@ The one place where both meet."""
 from __future__ import annotations
 
 from rollout_proto import rollout_pb2 as pb
-from rollout_service.core.types import EngineLoad, Sample
-from rollout_service.core.weights import TensorSpec
+from rollout_service.core.status import CoreStatus, EngineStatus
+from rollout_service.lifecycle.types import Sample
+from rollout_service.engines.weights import TensorSpec
 from rollout_service.engines.spec import depth_buckets
 
 
@@ -36,7 +37,8 @@ def tensor_specs(header: pb.WeightsHeader) -> list[TensorSpec]:
     return [TensorSpec(t.name, t.dtype, tuple(t.shape), t.byte_length, t.sha256) for t in header.tensors]
 
 
-def engine_status(load: EngineLoad, assigned: int) -> pb.EngineStatus:
+def engine_status(e: EngineStatus) -> pb.EngineStatus:
+    load = e.load
     return pb.EngineStatus(
         engine_id=load.engine_id,
         kind=load.kind,
@@ -46,22 +48,22 @@ def engine_status(load: EngineLoad, assigned: int) -> pb.EngineStatus:
         kv_usage=load.kv_usage,
         tokens_per_s=load.tokens_per_s,
         policy_version=load.policy_version,
-        assigned=assigned,
+        assigned=e.assigned,
     )
 
 
-def status_to_pb(st: dict, model: str, spec: dict | None = None) -> pb.StatusResponse:
+def status_to_pb(st: CoreStatus, model: str, spec: dict | None = None) -> pb.StatusResponse:
     return pb.StatusResponse(
-        policy_version=st["policy_version"],
-        engines=[engine_status(load, assigned) for load, assigned in st["engines"]],
-        queued_requests=st["queued_requests"],
-        running_requests=st["running_requests"],
-        open_groups=st["open_groups"],
-        last_cursor=st["last_cursor"],
-        retained_samples=st["retained_samples"],
-        scheduler=st["scheduler"],
-        counters={k: float(v) for k, v in st["counters"].items()},
-        uptime_s=st["uptime_s"],
+        policy_version=st.policy_version,
+        engines=[engine_status(e) for e in st.engines],
+        queued_requests=st.queued_requests,
+        running_requests=st.running_requests,
+        open_groups=st.open_groups,
+        last_cursor=st.last_cursor,
+        retained_samples=st.retained_samples,
+        scheduler=st.scheduler,
+        counters={k: float(v) for k, v in st.counters.items()},
+        uptime_s=st.uptime_s,
         model=model,
         spec=spec_status_to_pb(spec) if spec else None,
     )

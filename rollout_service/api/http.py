@@ -1,6 +1,7 @@
 """The aiohttp side server: health, readiness, Prometheus metrics, status JSON."""
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -44,15 +45,15 @@ def _metrics_text(core: RolloutCore, spec_runtime: "SpecRuntime | None" = None) 
     st = core.status()
     lines = [
         "# TYPE rollout_policy_version gauge",
-        f"rollout_policy_version {st['policy_version']}",
+        f"rollout_policy_version {st.policy_version}",
         "# TYPE rollout_queued_requests gauge",
-        f"rollout_queued_requests {st['queued_requests']}",
+        f"rollout_queued_requests {st.queued_requests}",
         "# TYPE rollout_running_requests gauge",
-        f"rollout_running_requests {st['running_requests']}",
+        f"rollout_running_requests {st.running_requests}",
         "# TYPE rollout_retained_samples gauge",
-        f"rollout_retained_samples {st['retained_samples']}",
+        f"rollout_retained_samples {st.retained_samples}",
     ]
-    counters = st["counters"]
+    counters = st.counters
     for name in sorted(n for n in counters if not n.startswith("samples_lag_")):
         lines += [f"# TYPE rollout_{name}_total counter", f"rollout_{name}_total {counters[name]}"]
     lines.append("# TYPE rollout_samples_by_lag_total counter")
@@ -60,9 +61,9 @@ def _metrics_text(core: RolloutCore, spec_runtime: "SpecRuntime | None" = None) 
         lines.append(f'rollout_samples_by_lag_total{{lag="{name.removeprefix("samples_lag_")}"}} {counters[name]}')
     for series in ("running", "waiting", "kv_usage", "tokens_per_s"):
         lines.append(f"# TYPE rollout_engine_{series} gauge")
-        for load, _ in st["engines"]:
-            value = getattr(load, series)
-            lines.append(f'rollout_engine_{series}{{engine="{load.engine_id}"}} {value}')
+        for e in st.engines:
+            value = getattr(e.load, series)
+            lines.append(f'rollout_engine_{series}{{engine="{e.load.engine_id}"}} {value}')
     for name, hist in core.histograms.items():
         lines.append(f"# TYPE rollout_{name} histogram")
         for le, count in hist.cumulative():
@@ -87,11 +88,12 @@ def make_app(core: RolloutCore, openai: "OpenAIFrontEnd | None" = None,
         return web.Response(text=_metrics_text(core, spec_runtime), content_type="text/plain", charset="utf-8")
 
     async def status(_):
-        st = core.status()
+        st = dataclasses.asdict(core.status())
         st["engines"] = [
-            {"engine_id": l.engine_id, "kind": l.kind, "state": l.state, "running": l.running,
-             "waiting": l.waiting, "kv_usage": l.kv_usage, "tokens_per_s": l.tokens_per_s, "assigned": a}
-            for l, a in st["engines"]
+            {"engine_id": e.load.engine_id, "kind": e.load.kind, "state": e.load.state, "running": e.load.running,
+             "waiting": e.load.waiting, "kv_usage": e.load.kv_usage, "tokens_per_s": e.load.tokens_per_s,
+             "assigned": e.assigned}
+            for e in core.status().engines
         ]
         if spec_runtime is not None:
             st["spec"] = spec_runtime.status()

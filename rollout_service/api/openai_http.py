@@ -22,7 +22,8 @@ from aiohttp import web
 
 from rollout_service.api.validation import ModelLimits
 from rollout_service.core.rollout import CoreError, RolloutCore
-from rollout_service.core.types import FinishReason, GroupSpec, Sample, SamplingParams
+from rollout_service.engines.types import FinishReason, SamplingParams
+from rollout_service.lifecycle.types import GroupSpec, Sample
 
 _FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORTED: "abort"}
 # Sampling settings the engines do not implement: accepted at their neutral value only.

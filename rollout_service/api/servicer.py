@@ -14,7 +14,7 @@ from rollout_proto import rollout_pb2_grpc as pb_grpc
 from rollout_service.api import convert, validation
 from rollout_service.api.validation import FieldError, ModelLimits, TooLarge
 from rollout_service.core.rollout import CoreError, RolloutCore
-from rollout_service.core.weights import (
+from rollout_service.engines.weights import (
     ManifestError,
     StagedWeights,
     TensorSpec,

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from rollout_proto import rollout_pb2 as pb
-from rollout_service.core.types import GroupSpec, SamplingParams
+from rollout_service.engines.types import SamplingParams
+from rollout_service.lifecycle.types import GroupSpec
 
 MAX_NUM_SAMPLES = 1024
 MAX_ID_CHARS = 256

@@ -35,7 +35,7 @@ from aiohttp import web
 
 from rollout_service.api.openai_http import _FINISH, BadRequest, OpenAIFrontEnd, _error
 from rollout_service.core.rollout import CoreError, RolloutCore
-from rollout_service.core.types import Sample
+from rollout_service.lifecycle.types import Sample
 
 WEIGHT_TRANSFER_PATHS = (
     "/init_weight_transfer_engine",
@@ -87,7 +87,7 @@ class VllmCompat:
             dirs = {getattr(e, "model", None) for e in self.core.engines.values() if e.kind == "vllm"}
             dirs.discard(None)
             if len(dirs) == 1:
-                from rollout_service.engines.vllm import checkpoint_manifest
+                from rollout_service.engines.weights import checkpoint_manifest
 
                 manifest = checkpoint_manifest(dirs.pop())
                 self._checkpoint = {n: {"dtype": d, "shape": list(s)} for n, (d, s) in manifest.items()} or None

@@ -17,9 +17,10 @@ import shutil
 from pathlib import Path
 
 from rollout_service.core.delivery import Consumer
-from rollout_service.core.types import FinishReason, Group, GroupSpec, Request, Sample, SamplingParams
-from rollout_service.core.versions import VersionTags
-from rollout_service.core.weights import StagedWeights, read_safetensors, split_and_verify
+from rollout_service.engines.types import FinishReason, SamplingParams
+from rollout_service.lifecycle.types import Group, GroupSpec, Request, Sample
+from rollout_service.lifecycle.versions import VersionTags
+from rollout_service.engines.weights import StagedWeights, read_safetensors, split_and_verify
 
 STATE_FILE = "state.json"
 WEIGHTS_FILE = "weights.safetensors"

@@ -18,7 +18,7 @@ import bisect
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
-from rollout_service.core.types import Sample
+from rollout_service.lifecycle.types import Sample
 
 
 @dataclass(slots=True)

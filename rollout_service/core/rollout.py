@@ -22,18 +22,13 @@ from rollout_service.core.delivery import DeliveryLog
 from rollout_service.core.fleet import FleetMixin
 from rollout_service.core.weight_sync import WeightSyncMixin
 from rollout_service.core.histogram import Histogram
-from rollout_service.core.weights import StagedWeights
+from rollout_service.core.status import CoreStatus, EngineStatus
+from rollout_service.engines.weights import StagedWeights
 from rollout_service.partial.carry_over import CarryOverConfig
 from rollout_service.scheduling.length_predictor import LengthPredictor
 from rollout_service.scheduling.rebalancer import RebalanceConfig
-from rollout_service.core.types import (
-    CoreError,
-    FinishReason,
-    Group,
-    GroupSpec,
-    Request,
-    Sample,
-)
+from rollout_service.engines.types import FinishReason
+from rollout_service.lifecycle.types import CoreError, Group, GroupSpec, Request, Sample
 from rollout_service.engines.base import Engine
 from rollout_service.scheduling.placement import Placement
 
@@ -384,16 +379,16 @@ class RolloutCore(FleetMixin, WeightSyncMixin):
 
     # -- status --------------------------------------------------------------------
 
-    def status(self) -> dict:
-        return {
-            "policy_version": self.policy_version,
-            "engines": [(e.load(), self.assigned[eid]) for eid, e in self.engines.items()],
-            "queued_requests": len(self.queue),
-            "running_requests": len(self.running),
-            "open_groups": len(self.groups),
-            "last_cursor": self.delivery.last_cursor,
-            "retained_samples": self.delivery.retained,
-            "scheduler": self.placement.name,
-            "counters": dict(self.counters),
-            "uptime_s": self.clock.now() - self.started_at,
-        }
+    def status(self) -> CoreStatus:
+        return CoreStatus(
+            policy_version=self.policy_version,
+            engines=[EngineStatus(e.load(), self.assigned[eid]) for eid, e in self.engines.items()],
+            queued_requests=len(self.queue),
+            running_requests=len(self.running),
+            open_groups=len(self.groups),
+            last_cursor=self.delivery.last_cursor,
+            retained_samples=self.delivery.retained,
+            scheduler=self.placement.name,
+            uptime_s=self.clock.now() - self.started_at,
+            counters=dict(self.counters),
+        )

@@ -10,8 +10,9 @@ import asyncio
 from collections import deque
 from typing import Mapping
 
-from rollout_service.core.types import CoreError, FinishReason, Group, Request, Sample
-from rollout_service.core.weights import StagedWeights
+from rollout_service.engines.types import FinishReason
+from rollout_service.lifecycle.types import CoreError, Group, Request, Sample
+from rollout_service.engines.weights import StagedWeights
 from rollout_service.partial.carry_over import CarryPlan, plan_carry_over
 
 

@@ -36,10 +36,11 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
-from rollout_service.core.aio import cancel_and_wait
+from rollout_service.aio import cancel_and_wait
 from rollout_service.engines.spec import from_table
-from rollout_service.core.types import FinishReason, Sample
-from rollout_service.core.weights import StagedWeights, read_safetensors, split_and_verify
+from rollout_service.engines.types import FinishReason
+from rollout_service.lifecycle.types import Sample
+from rollout_service.engines.weights import StagedWeights, read_safetensors, split_and_verify
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import asyncio
 import logging
 from typing import Any, Iterable, Mapping
 
-from rollout_service.core.weights import StagedWeights
+from rollout_service.engines.weights import StagedWeights
 from rollout_service.drafter.drafter_trainer import DrafterTrainer, TrainerConfig, has_draft_model
 from rollout_service.drafter.spec_tuner import TunerConfig, TunerLoop
 from rollout_service.engines.base import WeightsRejected
@@ -155,7 +155,7 @@ class SpecRuntime:
         if version <= current:
             raise WeightsRejected(f"header.version: must be greater than the serving draft version {current}, got {version}")
         if self._manifest is None:
-            from rollout_service.engines.vllm import checkpoint_manifest
+            from rollout_service.engines.weights import checkpoint_manifest
 
             self._manifest = checkpoint_manifest(self.spec.draft_model_path())
         for name, (dtype, shape) in manifest.items():

@@ -24,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
-from rollout_service.core.aio import cancel_and_wait
+from rollout_service.aio import cancel_and_wait
 from rollout_service.engines.spec import StepObservation, from_table
 
 log = logging.getLogger(__name__)

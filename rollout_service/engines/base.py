@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import AsyncIterator, Mapping, Protocol, runtime_checkable
 
-from rollout_service.core.types import EngineLoad, EngineRequest, PartialResponse, TokenDelta
-from rollout_service.core.weights import StagedWeights
+from rollout_service.engines.types import EngineLoad, EngineRequest, PartialResponse, TokenDelta
+from rollout_service.engines.weights import StagedWeights
 
 
 class EngineError(RuntimeError):

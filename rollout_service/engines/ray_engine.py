@@ -49,8 +49,8 @@ import weakref
 from collections import Counter
 from typing import Any, AsyncIterator, Callable, Mapping
 
-from rollout_service.core.types import EngineLoad, EngineRequest, FinishReason, PartialResponse, TokenDelta
-from rollout_service.core.weights import StagedWeights, WeightTensor
+from rollout_service.engines.types import EngineLoad, EngineRequest, FinishReason, PartialResponse, TokenDelta
+from rollout_service.engines.weights import StagedWeights, WeightTensor
 from rollout_service.engines.base import Engine, EngineError
 
 log = logging.getLogger(__name__)

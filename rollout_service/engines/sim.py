@@ -65,8 +65,8 @@ from typing import AsyncIterator, Mapping
 
 import numpy as np
 
-from rollout_service.core.aio import cancel_and_wait
-from rollout_service.core.types import (
+from rollout_service.aio import cancel_and_wait
+from rollout_service.engines.types import (
     EngineLoad,
     EngineRequest,
     FinishReason,

@@ -15,45 +15,27 @@ staged safetensors file (`RolloutWorkerExtension`), `update_weight_version`,
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
-import struct
 import threading
 import time
 from pathlib import Path
 from typing import AsyncIterator, Mapping
 
-from rollout_service.core.types import (
+from rollout_service.engines.types import (
     EngineLoad,
     EngineRequest,
     FinishReason,
     PartialResponse,
     TokenDelta,
 )
-from rollout_service.core.weights import StagedWeights
+from rollout_service.engines.weights import StagedWeights, checkpoint_manifest
 from rollout_service.engines.base import EngineError, WeightsRejected
 from rollout_service.engines.spec import SpecConfig, SpecMonitor, normalize_schedule
 
 log = logging.getLogger(__name__)
 
 _SPAWN_LOCK = threading.Lock()  # engines spawn one at a time (they share os.environ)
-_ST_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I64": "int64", "I32": "int32"}
-
-
-def checkpoint_manifest(model_dir: str) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """{name: (dtype, shape)} of a model directory's safetensors files."""
-    out: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for path in sorted(Path(model_dir).glob("*.safetensors")):
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
-        header.pop("__metadata__", None)
-        for name, meta in header.items():
-            out[name] = (_ST_DTYPES.get(meta["dtype"], meta["dtype"]), tuple(meta["shape"]))
-    return out
-
-
 class _LoadLogger:
     """A vLLM stat logger that keeps the latest scheduler statistics."""
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rollout_service.core.types import Group, Request
+from rollout_service.lifecycle.types import Group, Request
 
 CARRY_MODES = ("continue", "pause-resume", "restart")
 STALE_ACTIONS = ("restart", "drop")

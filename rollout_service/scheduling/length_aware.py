@@ -44,7 +44,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable
 
-from rollout_service.core.types import Request
+from rollout_service.lifecycle.types import Request
 from rollout_service.scheduling.length_predictor import LengthPredictor
 from rollout_service.scheduling.rebalancer import least_feasible
 

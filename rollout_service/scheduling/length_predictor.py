@@ -19,7 +19,7 @@ import bisect
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from rollout_service.core.types import Request
+from rollout_service.lifecycle.types import Request
 
 
 @dataclass(slots=True, frozen=True)

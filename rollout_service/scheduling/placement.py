@@ -22,7 +22,8 @@ import heapq
 from collections import OrderedDict, deque
 from typing import Mapping, Protocol, Sequence
 
-from rollout_service.core.types import EngineLoad, Request
+from rollout_service.engines.types import EngineLoad
+from rollout_service.lifecycle.types import Request
 
 
 class Placement(Protocol):

@@ -14,6 +14,7 @@ import mmap
 import os
 import struct
 from dataclasses import dataclass
+from pathlib import Path
 
 DTYPE_SIZES = {
     "float32": 4, "float16": 2, "bfloat16": 2, "float64": 8,
@@ -138,6 +139,19 @@ def write_safetensors(path: str, tensors: list[WeightTensor]) -> None:
         f.write(raw)
         for t in tensors:
             f.write(t.data)
+
+
+def checkpoint_manifest(model_dir: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """{name: (dtype, shape)} of a model directory's safetensors files (headers only)."""
+    out: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        header.pop("__metadata__", None)
+        for name, meta in header.items():
+            out[name] = (_SAFETENSORS_DTYPES.get(meta["dtype"], meta["dtype"]), tuple(meta["shape"]))
+    return out
 
 
 class StagedWeights:

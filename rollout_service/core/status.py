@@ -1,0 +1,33 @@
+"""The core's status as typed values (GetStatus, /v1/status and /metrics
+read these; nothing reads a status dict by key)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rollout_service.engines.types import EngineLoad
+
+
+@dataclass(slots=True, frozen=True)
+class EngineStatus:
+    """One engine as the core sees it: its own load snapshot and how many
+    requests the core has placed on it."""
+
+    load: EngineLoad
+    assigned: int
+
+
+@dataclass(slots=True, frozen=True)
+class CoreStatus:
+    """A snapshot of the core. Counts are requests (samples) or groups as
+    named; `uptime_s` is seconds on the service clock."""
+
+    policy_version: int
+    engines: list[EngineStatus]
+    queued_requests: int
+    running_requests: int
+    open_groups: int
+    last_cursor: int
+    retained_samples: int
+    scheduler: str
+    uptime_s: float
+    counters: dict[str, int] = field(default_factory=dict)

@@ -1,0 +1,92 @@
+"""The engine boundary: what the layers above send an engine and get back.
+
+Every engine kind (`vllm`, `sim`, `ray`) speaks these types and nothing of
+the core's. Token counts are tokens, times are seconds.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class FinishReason(enum.IntEnum):
+    UNSPECIFIED = 0
+    STOP = 1
+    LENGTH = 2
+    ABORTED = 3
+
+
+@dataclass(slots=True, frozen=True)
+class SamplingParams:
+    """Per-group sampling settings; validated at the edge."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    """What an engine is asked to generate.
+
+    `generated_token_ids` is a partial response to continue from (empty for
+    a fresh request): the engine re-prefills prompt + generated and samples
+    at most `max_new_tokens` more. `hints` carries workload hints that only a
+    simulated engine reads (e.g. the target response length).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    generated_token_ids: list[int]
+    sampling: SamplingParams
+    max_new_tokens: int
+    hints: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class TokenDelta:
+    """New tokens of one request from one engine step.
+
+    `version` is the policy version of the weights that sampled them.
+    `finish_reason` is set on the last delta of a request.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    version: int
+    finish_reason: FinishReason | None = None
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+
+@dataclass(slots=True)
+class PartialResponse:
+    """Tokens an engine generated for a request before it was aborted."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+
+
+@dataclass(slots=True)
+class EngineLoad:
+    """A snapshot of one engine's load, as the scheduling policies see it."""
+
+    engine_id: str
+    kind: str
+    state: str  # "starting", "ready", "updating", "dead"
+    running: int
+    waiting: int
+    max_seqs: int
+    kv_used_tokens: int
+    kv_capacity_tokens: int
+    tokens_per_s: float
+    policy_version: int
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_used_tokens / self.kv_capacity_tokens if self.kv_capacity_tokens else 0.0
+

@@ -1,0 +1,36 @@
+"""The layer contract of docs/architecture.md (pyproject.toml, import-linter):
+dependencies point down only, the api never imports the vLLM engine, and the
+trainer client speaks only the wire contract."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LINT = str(Path(sys.executable).with_name("lint-imports"))
+
+
+def _lint(root: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    return subprocess.run([LINT, str(root / "pyproject.toml"), "--no-cache"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_the_code_keeps_the_layer_contract():
+    out = _lint(ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "BROKEN" not in out.stdout
+
+
+def test_an_upward_import_breaks_the_contract(tmp_path):
+    for name in ("rollout_service", "trainer_client", "rollout_proto"):
+        shutil.copytree(ROOT / name, tmp_path / name, ignore=shutil.ignore_patterns("*.safetensors", "__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    types = tmp_path / "rollout_service" / "engines" / "types.py"
+    types.write_text(types.read_text() + "\nfrom rollout_service.core.rollout import RolloutCore  # noqa\n")
+    out = _lint(tmp_path)
+    assert out.returncode != 0
+    assert "rollout_service.engines.types -> rollout_service.core.rollout" in out.stdout
