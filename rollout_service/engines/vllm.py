@@ -11,6 +11,15 @@ Weight updates use vLLM's RL hooks: `pause_generation(mode="keep")` (running
 requests are frozen, not lost), an in-place reload in the worker from a
 staged safetensors file (`RolloutWorkerExtension`), `update_weight_version`,
 `resume_generation()`.
+
+KV use is reported in tokens: the engine core's cache (blocks x block
+size, read from the vLLM config once the engine is up) times vLLM's
+usage fraction.
+
+Speculation at temperature > 0 is exact on vLLM's CPU platform only with
+`vllm_plugin`'s rejection-sampler fix in the worker processes; an engine
+configured to speculate there checks it after start and refuses to run
+without it.
 """
 from __future__ import annotations
 
@@ -23,7 +32,9 @@ from pathlib import Path
 from typing import AsyncIterator, Mapping
 
 from rollout_service.engines.types import (
+    EngineDescription,
     EngineLoad,
+    EngineState,
     EngineRequest,
     FinishReason,
     PartialResponse,
@@ -31,11 +42,24 @@ from rollout_service.engines.types import (
 )
 from rollout_service.engines.weights import StagedWeights, checkpoint_manifest
 from rollout_service.engines.base import EngineError, WeightsRejected
-from rollout_service.engines.spec import SpecConfig, SpecMonitor, normalize_schedule
+from rollout_service.engines.spec_config import SpecConfig, normalize_schedule
+from rollout_service.engines.spec_monitor import SpecMonitor
+from rollout_service.engines.speculation import MonitoredSpeculation
 
 log = logging.getLogger(__name__)
 
 _SPAWN_LOCK = threading.Lock()  # engines spawn one at a time (they share os.environ)
+
+
+def default_dtype() -> str:
+    """float32 on vLLM's CPU platform (bf16 kills some CPU engines with
+    SIGILL, and is no faster for small models there); vLLM's "auto" (the
+    checkpoint's dtype) elsewhere. `vllm_args["dtype"]` overrides it."""
+    from vllm.platforms import current_platform
+
+    return "float32" if current_platform.is_cpu() else "auto"
+
+
 class _LoadLogger:
     """A vLLM stat logger that keeps the latest scheduler statistics."""
 
@@ -93,6 +117,7 @@ class VllmEngine:
         vllm_args: Mapping[str, object] | None = None,
         spec: SpecConfig | Mapping[str, object] | None = None,
         env: Mapping[str, str] | None = None,
+        require_exact_sampler: bool = True,
     ) -> None:
         self.engine_id = engine_id
         self.model = model
@@ -106,10 +131,16 @@ class VllmEngine:
         # engine's processes (e.g. ROLLOUT_STOCK_SPEC_SAMPLER=1).
         self.spec = spec if isinstance(spec, SpecConfig) else SpecConfig.from_dict(spec)
         self.env = dict(env or {})
-        self.spec_monitor = SpecMonitor(self.spec, max_seqs)
+        # Refuse to speculate on a CPU without the exact sampler (False only
+        # for the negative control of the exactness test).
+        self.require_exact_sampler = require_exact_sampler
+        self._monitor = SpecMonitor(self.spec, max_seqs)
+        self.speculation: VllmSpeculation | None = VllmSpeculation(self, self._monitor) if self.spec.enabled else None
         self._last_draft: tuple[int, StagedWeights] | None = None
         self._llm = None
-        self._state = "starting"
+        self._state = EngineState.STARTING
+        self._kv_capacity = 0  # tokens, known once the engine core is up
+        self._dtype = ""
         self._version = 0
         self._seqs: dict[str, _Seq] = {}
         self._running = self._waiting = 0
@@ -130,11 +161,11 @@ class VllmEngine:
         if self._llm is not None:
             self._shutdown_llm()
             self.restarts += 1
-        self._state = "starting"
+        self._state = EngineState.STARTING
         self._version = 0  # a fresh engine serves the model directory's weights
         args = dict(
             model=self.model,
-            dtype="float32",
+            dtype=default_dtype(),
             enforce_eager=True,
             max_model_len=self.max_model_len,
             max_num_seqs=self.max_seqs,
@@ -169,11 +200,45 @@ class VllmEngine:
                             os.environ[k] = v
 
         self._llm = await asyncio.to_thread(build)
-        await self._llm.update_weight_version(str(self._version))
-        if self.spec.enabled:
-            await self._prepare_spec()
-        self._state = "ready"
-        log.info("%s ready (%s, pid %s)", self.engine_id, self.model, self.engine_core_pid)
+        self._dtype = str(args["dtype"])
+        self._kv_capacity = self._read_kv_capacity()
+        try:
+            if self.spec.enabled:
+                await self._check_exact_sampler()
+            await self._llm.update_weight_version(str(self._version))
+            if self.spec.enabled:
+                await self._prepare_spec()
+        except BaseException:
+            self._shutdown_llm()
+            self._state = EngineState.DEAD
+            raise
+        self._state = EngineState.READY
+        log.info("%s ready (%s, pid %s, KV cache %d tokens)", self.engine_id, self.model, self.engine_core_pid,
+                 self._kv_capacity)
+
+    def _read_kv_capacity(self) -> int:
+        """Tokens the engine core's KV cache holds: its block count (sent back
+        by the engine core at start) times the block size."""
+        cache = self._llm.vllm_config.cache_config
+        return int(cache.num_gpu_blocks or 0) * int(cache.block_size or 0)
+
+    async def _check_exact_sampler(self) -> None:
+        """On vLLM's CPU platform, raise EngineError unless every worker runs
+        `vllm_plugin`'s exact rejection-sampler expansion (without it,
+        speculation at temperature > 0 samples from the wrong distribution)."""
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu() or not self.require_exact_sampler:
+            return
+        reports = await self._llm.collective_rpc("rollout_spec_sampler_patched")
+        missing = [(pid, reason) for pid, patched, reason in reports if not patched]
+        if missing:
+            pid, reason = missing[0]
+            raise EngineError(
+                f"engine.spec: method {self.spec.method!r} is configured, but on the CPU platform vLLM's "
+                f"speculative rejection sampler is inexact at temperature > 0 without rollout_service's fix "
+                f"(rollout_service.engines.vllm_plugin), and the fix is not in place in worker pid {pid}: {reason}. "
+                f"Set engine.spec.method = \"off\" or make the plugin load (pip install -e . registers it).")
 
     @property
     def engine_core_pid(self) -> int | None:
@@ -191,7 +256,7 @@ class VllmEngine:
                 log.debug("shutdown of %s: %s", self.engine_id, exc)
 
     async def close(self) -> None:
-        self._state = "dead"
+        self._state = EngineState.DEAD
         self._shutdown_llm()
 
     def _alive(self) -> bool:
@@ -219,7 +284,7 @@ class VllmEngine:
         )
 
     def add(self, request: EngineRequest) -> AsyncIterator[TokenDelta]:
-        if not self._alive() or self._state == "dead":
+        if not self._alive() or self._state == EngineState.DEAD:
             raise EngineError(f"engine {self.engine_id} is not running")
         if request.request_id in self._seqs:
             raise EngineError(f"request {request.request_id} already running on {self.engine_id}")
@@ -316,8 +381,8 @@ class VllmEngine:
 
     def load(self) -> EngineLoad:
         state = self._state
-        if state != "starting" and not self._alive():
-            state = "dead"
+        if state != EngineState.STARTING and not self._alive():
+            state = EngineState.DEAD
         window = self._tok_window
         rate = 0.0
         if len(window) > 1:
@@ -330,11 +395,20 @@ class VllmEngine:
             running=self._running,
             waiting=self._waiting,
             max_seqs=self.max_seqs,
-            kv_used_tokens=int(self._kv_usage * 1_000_000),
-            kv_capacity_tokens=1_000_000,
+            kv_used_tokens=round(self._kv_usage * self._kv_capacity),
+            kv_capacity_tokens=self._kv_capacity,
             tokens_per_s=rate,
             policy_version=self._version,
         )
+
+    def describe(self) -> EngineDescription:
+        return EngineDescription(
+            engine_id=self.engine_id, kind=self.kind, placement="local", model=self.model,
+            model_name=Path(self.model).name, max_seqs=self.max_seqs, max_model_len=self.max_model_len,
+            kv_capacity_tokens=self._kv_capacity, dtype=str(self.vllm_args.get("dtype", self._dtype)),
+            logprobs_mode=str(self.vllm_args.get("logprobs_mode", "processed_logprobs")),
+            speculation=self.spec.method,
+            draft_model=self.spec.draft_model_path() if self.spec.method == "draft_model" else "")
 
     # -- weights ----------------------------------------------------------------
 
@@ -353,7 +427,7 @@ class VllmEngine:
             raise EngineError(f"engine {self.engine_id} is not running")
         async with self._update_lock:
             path = await weights.as_file()
-            self._state = "updating"
+            self._state = EngineState.UPDATING
             # Every wait is bounded: a stuck engine fails the push (the
             # previous version keeps serving elsewhere) instead of hanging it.
             timeout = self.update_timeout_s
@@ -364,7 +438,7 @@ class VllmEngine:
                 self._version = version
             finally:
                 await asyncio.wait_for(self._llm.resume_generation(), timeout)
-                self._state = "ready"
+                self._state = EngineState.READY
 
     # -- speculative decoding -----------------------------------------------------
 
@@ -378,54 +452,56 @@ class VllmEngine:
         batch = len(itl) + len(iteration_stats.time_to_first_tokens_iter)
         seconds = sorted(itl)[len(itl) // 2] if itl else None
         spec_stats = getattr(scheduler_stats, "spec_decoding_stats", None) if scheduler_stats is not None else None
-        self.spec_monitor.record(batch, seconds, iteration_stats.num_generation_tokens, spec_stats)
-
-    def spec_status(self) -> dict:
-        """The `spec` section of this engine's status: method, schedule in
-        force, draft-weight version, tokens drafted and accepted, acceptance
-        by draft position, the depth tuner's state."""
-        return self.spec_monitor.status()
-
-    async def set_spec_schedule(self, schedule) -> None:
-        """Replace the speculative depth per running-batch size
-        ([(first, last, K), ...]); it takes effect between two engine steps."""
-        if not self.spec.enabled:
-            raise EngineError(f"engine {self.engine_id} does not speculate")
-        if not self._alive():
-            raise EngineError(f"engine {self.engine_id} is not running")
-        self.spec_monitor.set_schedule(schedule)
-        await self._llm.engine_core.call_utility_async(
-            "rollout_set_spec_schedule", [list(e) for e in self.spec_monitor.schedule])
-
-    async def spec_engine_info(self) -> dict:
-        """What the engine-core process reports of its speculation (pid, max
-        K, the dense depth lookup, whether the exact sampler is in place)."""
-        return await self._llm.engine_core.call_utility_async("rollout_spec_info")
-
-    async def update_draft_weights(self, version: int, weights: StagedWeights) -> None:
-        """Reload the draft model in place. No pause: the worker applies it
-        between two steps, and speculation is verified, so draft weights
-        change only how many drafted tokens are accepted, never what is
-        sampled."""
-        if self.spec.method != "draft_model":
-            raise EngineError(f"engine {self.engine_id} has no draft model (spec method {self.spec.method!r})")
-        if not self._alive():
-            raise EngineError(f"engine {self.engine_id} is not running")
-        path = await weights.as_file()
-        await self._llm.collective_rpc("rollout_reload_draft_weights", args=(path,))
-        self.spec_monitor.draft_version = version
-        self._last_draft = (version, weights)
+        self._monitor.record(batch, seconds, iteration_stats.num_generation_tokens, spec_stats)
 
     async def _prepare_spec(self) -> None:
         """After a (re)start: wire the sibling proposer; restore the tuned
         schedule and the latest draft weights."""
         if self.spec.method == "siblings":
             await self._llm.collective_rpc("rollout_attach_sibling_drafter")
-        monitor = self.spec_monitor
+        monitor = self._monitor
         if monitor.schedule != normalize_schedule(self.spec.schedule, self.max_seqs, self.spec.num_speculative_tokens):
-            await self.set_spec_schedule(monitor.schedule)
+            await self.speculation.set_schedule(monitor.schedule)
         if self._last_draft is not None:
-            await self.update_draft_weights(*self._last_draft)
+            await self.speculation.update_draft_weights(*self._last_draft)
+
+
+class VllmSpeculation(MonitoredSpeculation):
+    """Speculation of a `VllmEngine`: the depth schedule lives in the
+    engine-core process's scheduler (`vllm_plugin` utilities), the draft
+    model in the worker (`vllm_worker`)."""
+
+    def __init__(self, engine: VllmEngine, monitor: SpecMonitor) -> None:
+        super().__init__(monitor)
+        self._engine = engine
+
+    async def set_schedule(self, schedule) -> None:
+        engine = self._engine
+        if not engine._alive():
+            raise EngineError(f"engine {engine.engine_id} is not running")
+        self.monitor.set_schedule(schedule)
+        await engine._llm.engine_core.call_utility_async(
+            "rollout_set_spec_schedule", [list(e) for e in self.monitor.schedule])
+
+    async def update_draft_weights(self, version: int, weights: StagedWeights) -> None:
+        """Reload the draft model in place. No pause: the worker applies it
+        between two steps, and speculation is verified, so draft weights
+        change only how many drafted tokens are accepted, never what is
+        sampled."""
+        engine = self._engine
+        if not self.has_draft_model:
+            raise EngineError(f"engine {engine.engine_id} has no draft model (spec method {self.config.method!r})")
+        if not engine._alive():
+            raise EngineError(f"engine {engine.engine_id} is not running")
+        path = await weights.as_file()
+        await engine._llm.collective_rpc("rollout_reload_draft_weights", args=(path,))
+        self.monitor.draft_version = version
+        engine._last_draft = (version, weights)
+
+    async def engine_info(self) -> dict:
+        """What the engine-core process reports of its speculation (pid, max
+        K, the dense depth lookup, whether the exact sampler is in place)."""
+        return await self._engine._llm.engine_core.call_utility_async("rollout_spec_info")
 
 
 def _spec_counts(completion) -> tuple[int, int]:
