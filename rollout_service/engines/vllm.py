@@ -42,9 +42,9 @@ from rollout_service.engines.types import (
 )
 from rollout_service.engines.weights import StagedWeights, checkpoint_manifest
 from rollout_service.engines.base import EngineError, WeightsRejected
-from rollout_service.engines.spec_config import SpecConfig, normalize_schedule
+from rollout_service.engines.spec_config import SpecConfig
 from rollout_service.engines.spec_monitor import SpecMonitor
-from rollout_service.engines.speculation import MonitoredSpeculation
+from rollout_service.engines.vllm_speculation import VllmSpeculation, spec_counts
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,22 @@ def default_dtype() -> str:
     from vllm.platforms import current_platform
 
     return "float32" if current_platform.is_cpu() else "auto"
+
+
+def _with_environment(env: Mapping[str, str], build):
+    """`build()` with `env` set in os.environ (restored afterwards): engine
+    processes inherit it at spawn, so engines spawn one at a time."""
+    with _SPAWN_LOCK:
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            return build()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
 
 class _LoadLogger:
@@ -82,8 +98,8 @@ class _LoadLogger:
                     engine._kv_usage = scheduler_stats.kv_cache_usage
                 if iteration_stats is not None:
                     engine._count_tokens(iteration_stats.num_generation_tokens)
-                if engine.spec.enabled:
-                    engine._record_spec_step(scheduler_stats, iteration_stats)
+                if engine.speculation is not None:
+                    engine.speculation.record_step(scheduler_stats, iteration_stats)
 
             def log_engine_initialized(self):
                 pass
@@ -136,7 +152,6 @@ class VllmEngine:
         self.require_exact_sampler = require_exact_sampler
         self._monitor = SpecMonitor(self.spec, max_seqs)
         self.speculation: VllmSpeculation | None = VllmSpeculation(self, self._monitor) if self.spec.enabled else None
-        self._last_draft: tuple[int, StagedWeights] | None = None
         self._llm = None
         self._state = EngineState.STARTING
         self._kv_capacity = 0  # tokens, known once the engine core is up
@@ -154,7 +169,10 @@ class VllmEngine:
     # -- lifecycle ---------------------------------------------------------------
 
     async def start(self) -> None:
-        """Start (or restart, after a death) the engine; returns when ready."""
+        """Start (or restart, after a death) the engine; returns when ready.
+
+        Raises EngineError, with the engine shut down again, when the engine
+        would speculate inexactly (`VllmSpeculation.check_exact_sampler`)."""
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -163,7 +181,32 @@ class VllmEngine:
             self.restarts += 1
         self._state = EngineState.STARTING
         self._version = 0  # a fresh engine serves the model directory's weights
-        args = dict(
+        args = self._engine_args()
+        # Construction blocks until the engine core is up (~20 s on a CPU), so
+        # it runs in a thread: a restart must not stall the other engines.
+        self._llm = await asyncio.to_thread(
+            _with_environment, self._spawn_environment(),
+            lambda: AsyncLLM.from_engine_args(AsyncEngineArgs(**args), stat_loggers=[_LoadLogger(self)]))
+        self._dtype = str(args["dtype"])
+        self._kv_capacity = self._read_kv_capacity()
+        try:
+            if self.speculation is not None:
+                await self.speculation.check_exact_sampler()
+            await self._llm.update_weight_version(str(self._version))
+            if self.speculation is not None:
+                await self.speculation.restore()
+        except BaseException:
+            self._shutdown_llm()
+            self._state = EngineState.DEAD
+            raise
+        self._state = EngineState.READY
+        log.info("%s ready (%s, pid %s, KV cache %d tokens)", self.engine_id, self.model, self.engine_core_pid,
+                 self._kv_capacity)
+
+    def _engine_args(self) -> dict[str, object]:
+        """vLLM's engine arguments: this service's defaults, then speculation,
+        then `vllm_args` (which override both)."""
+        args: dict[str, object] = dict(
             model=self.model,
             dtype=default_dtype(),
             enforce_eager=True,
@@ -178,67 +221,21 @@ class VllmEngine:
             args["speculative_config"] = self.spec.vllm_speculative_config(self.max_seqs)
             args["per_request_spec_decode_metrics"] = "summary"
         args.update(self.vllm_args)
-        # Engine processes read these at spawn: set them for this engine only.
-        # Construction blocks until the engine core is up (~20 s on a CPU), so
-        # it runs in a thread: a restart must not stall the other engines.
+        return args
+
+    def _spawn_environment(self) -> dict[str, str]:
+        """What this engine's processes read from the environment at spawn."""
         env = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, round(self.kv_cache_gib)))}
         if self.cpu_bind is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_bind
         env.update(self.env)
-
-        def build():
-            with _SPAWN_LOCK:
-                saved = {k: os.environ.get(k) for k in env}
-                os.environ.update(env)
-                try:
-                    return AsyncLLM.from_engine_args(AsyncEngineArgs(**args), stat_loggers=[_LoadLogger(self)])
-                finally:
-                    for k, v in saved.items():
-                        if v is None:
-                            os.environ.pop(k, None)
-                        else:
-                            os.environ[k] = v
-
-        self._llm = await asyncio.to_thread(build)
-        self._dtype = str(args["dtype"])
-        self._kv_capacity = self._read_kv_capacity()
-        try:
-            if self.spec.enabled:
-                await self._check_exact_sampler()
-            await self._llm.update_weight_version(str(self._version))
-            if self.spec.enabled:
-                await self._prepare_spec()
-        except BaseException:
-            self._shutdown_llm()
-            self._state = EngineState.DEAD
-            raise
-        self._state = EngineState.READY
-        log.info("%s ready (%s, pid %s, KV cache %d tokens)", self.engine_id, self.model, self.engine_core_pid,
-                 self._kv_capacity)
+        return env
 
     def _read_kv_capacity(self) -> int:
         """Tokens the engine core's KV cache holds: its block count (sent back
         by the engine core at start) times the block size."""
         cache = self._llm.vllm_config.cache_config
         return int(cache.num_gpu_blocks or 0) * int(cache.block_size or 0)
-
-    async def _check_exact_sampler(self) -> None:
-        """On vLLM's CPU platform, raise EngineError unless every worker runs
-        `vllm_plugin`'s exact rejection-sampler expansion (without it,
-        speculation at temperature > 0 samples from the wrong distribution)."""
-        from vllm.platforms import current_platform
-
-        if not current_platform.is_cpu() or not self.require_exact_sampler:
-            return
-        reports = await self._llm.collective_rpc("rollout_spec_sampler_patched")
-        missing = [(pid, reason) for pid, patched, reason in reports if not patched]
-        if missing:
-            pid, reason = missing[0]
-            raise EngineError(
-                f"engine.spec: method {self.spec.method!r} is configured, but on the CPU platform vLLM's "
-                f"speculative rejection sampler is inexact at temperature > 0 without rollout_service's fix "
-                f"(rollout_service.engines.vllm_plugin), and the fix is not in place in worker pid {pid}: {reason}. "
-                f"Set engine.spec.method = \"off\" or make the plugin load (pip install -e . registers it).")
 
     @property
     def engine_core_pid(self) -> int | None:
@@ -332,7 +329,7 @@ class VllmEngine:
                     finish = FinishReason.LENGTH if comp.finish_reason == "length" else FinishReason.STOP
                     if comp.finish_reason == "abort":
                         finish = FinishReason.ABORTED
-                    drafted, accepted = _spec_counts(comp)
+                    drafted, accepted = spec_counts(comp)
                 # One delta per version run (a merged delta may span an update).
                 i = 0
                 while i < len(ids):
@@ -439,76 +436,3 @@ class VllmEngine:
             finally:
                 await asyncio.wait_for(self._llm.resume_generation(), timeout)
                 self._state = EngineState.READY
-
-    # -- speculative decoding -----------------------------------------------------
-
-    def _record_spec_step(self, scheduler_stats, iteration_stats) -> None:
-        """Feed one engine step to the monitor. The step time is the
-        inter-token latency of the requests that were already decoding
-        (engine-core timestamps, so front-end lag does not count)."""
-        if iteration_stats is None:
-            return
-        itl = iteration_stats.inter_token_latencies_iter
-        batch = len(itl) + len(iteration_stats.time_to_first_tokens_iter)
-        seconds = sorted(itl)[len(itl) // 2] if itl else None
-        spec_stats = getattr(scheduler_stats, "spec_decoding_stats", None) if scheduler_stats is not None else None
-        self._monitor.record(batch, seconds, iteration_stats.num_generation_tokens, spec_stats)
-
-    async def _prepare_spec(self) -> None:
-        """After a (re)start: wire the sibling proposer; restore the tuned
-        schedule and the latest draft weights."""
-        if self.spec.method == "siblings":
-            await self._llm.collective_rpc("rollout_attach_sibling_drafter")
-        monitor = self._monitor
-        if monitor.schedule != normalize_schedule(self.spec.schedule, self.max_seqs, self.spec.num_speculative_tokens):
-            await self.speculation.set_schedule(monitor.schedule)
-        if self._last_draft is not None:
-            await self.speculation.update_draft_weights(*self._last_draft)
-
-
-class VllmSpeculation(MonitoredSpeculation):
-    """Speculation of a `VllmEngine`: the depth schedule lives in the
-    engine-core process's scheduler (`vllm_plugin` utilities), the draft
-    model in the worker (`vllm_worker`)."""
-
-    def __init__(self, engine: VllmEngine, monitor: SpecMonitor) -> None:
-        super().__init__(monitor)
-        self._engine = engine
-
-    async def set_schedule(self, schedule) -> None:
-        engine = self._engine
-        if not engine._alive():
-            raise EngineError(f"engine {engine.engine_id} is not running")
-        self.monitor.set_schedule(schedule)
-        await engine._llm.engine_core.call_utility_async(
-            "rollout_set_spec_schedule", [list(e) for e in self.monitor.schedule])
-
-    async def update_draft_weights(self, version: int, weights: StagedWeights) -> None:
-        """Reload the draft model in place. No pause: the worker applies it
-        between two steps, and speculation is verified, so draft weights
-        change only how many drafted tokens are accepted, never what is
-        sampled."""
-        engine = self._engine
-        if not self.has_draft_model:
-            raise EngineError(f"engine {engine.engine_id} has no draft model (spec method {self.config.method!r})")
-        if not engine._alive():
-            raise EngineError(f"engine {engine.engine_id} is not running")
-        path = await weights.as_file()
-        await engine._llm.collective_rpc("rollout_reload_draft_weights", args=(path,))
-        self.monitor.draft_version = version
-        engine._last_draft = (version, weights)
-
-    async def engine_info(self) -> dict:
-        """What the engine-core process reports of its speculation (pid, max
-        K, the dense depth lookup, whether the exact sampler is in place)."""
-        return await self._engine._llm.engine_core.call_utility_async("rollout_spec_info")
-
-
-def _spec_counts(completion) -> tuple[int, int]:
-    """(draft tokens proposed, accepted) for a finished request, from vLLM's
-    per-request speculative metrics; (0, 0) without speculation."""
-    metrics = getattr(completion, "spec_decode_metrics", None)
-    if metrics is None:
-        return 0, 0
-    accepted = sum(j * n for j, n in enumerate(metrics.histogram))
-    return int(metrics.num_draft_tokens), int(accepted)
