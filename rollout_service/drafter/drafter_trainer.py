@@ -9,7 +9,7 @@ optimizer steps (next-token cross-entropy on response tokens, i.e.
 distillation from the target's own samples) runs in a separate process,
 starting from the bundled draft model and continuing from round to round.
 Its weights come back as a safetensors file and are pushed to every engine
-through the draft-weight path (`Engine.update_draft_weights`), numbered
+through the draft-weight path (`engine.speculation.update_draft_weights`), numbered
 1, 2, ... Speculation is verified, so no push can change what is sampled:
 a bad drafter only costs speed.
 
