@@ -32,7 +32,6 @@ from load_tests.report import save_json
 from rollout_service.config import EngineConfig
 from rollout_service.engines.weights import StagedWeights, WeightTensor
 from rollout_service.factory import make_engines, model_info
-from rollout_service.engines.ray_engine import weights_ref
 
 STORE_GB = 2.5  # object store of each node
 BASELINE_MAX_MB = 1700  # per-engine copies beyond this would spill the store to disk: not measured
@@ -45,11 +44,11 @@ def staged_weights(params: int) -> StagedWeights:
 
 async def fanout(engines, version: int, weights: StagedWeights) -> dict:
     t = time.perf_counter()
-    await weights_ref(weights)  # what the first engine's update does: the one put
+    await engines[0].host.fleet.weights_ref(weights)  # what the first engine's update does: the one put
     put = time.perf_counter() - t
     await asyncio.gather(*(e.update_weights(version, weights) for e in engines))
     total = time.perf_counter() - t
-    return {"total_s": total, "put_s": put, "stage_s": max(e.last_update["stage_s"] for e in engines)}
+    return {"total_s": total, "put_s": put, "stage_s": max(e.last_update.stage_s for e in engines)}
 
 
 async def per_engine(engines, version: int, weights: StagedWeights) -> float:

@@ -146,7 +146,7 @@ async def run(args) -> dict:
     try:
         for v in range(args.versions):
             step = problems[v * args.groups:(v + 1) * args.groups]
-            before = {name: _snapshot(next(iter(c.engines.values())).spec_monitor) for name, c in cores.items()}
+            before = {name: _snapshot(next(iter(c.engines.values())).speculation.monitor) for name, c in cores.items()}
             t0 = time.perf_counter()
             results = await asyncio.gather(*(
                 _rollout(core, [GroupSpec(f"{name}-v{v}-g{i}", prompt_token_ids(p), args.samples,
@@ -157,7 +157,7 @@ async def run(args) -> dict:
             record = {"policy_version": adaptive.policy_version, "rollout_s": rollout_s,
                       "drafter_version": trainer.draft_version}
             for name, core in cores.items():
-                record[name] = _spec_delta(next(iter(core.engines.values())).spec_monitor, before[name])
+                record[name] = _spec_delta(next(iter(core.engines.values())).speculation.monitor, before[name])
             samples = [s for batch in results for s in batch]
             record["tokens"] = sum(len(s.response_token_ids) for s in samples)
             rewards = [verify(step[int(s.group_id.rsplit("-g", 1)[1])], decode(s.response_token_ids)) for s in samples]

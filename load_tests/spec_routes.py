@@ -42,7 +42,7 @@ def prompts(n: int, seed: int) -> list[list[int]]:
 async def decode_rate(engine, batch_prompts: list[list[int]], max_tokens: int, temperature: float = 1.0) -> dict:
     """Run the prompts concurrently; tokens/s of the whole batch and the
     engine's speculative counters over the run."""
-    monitor = engine.spec_monitor
+    monitor = engine.speculation.monitor
     before = (monitor.draft_tokens, monitor.accepted_tokens, monitor.spec_steps,
               list(monitor.accepted_per_pos), list(monitor.drafted_per_pos))
     tag = uuid.uuid4().hex[:6]
@@ -139,7 +139,7 @@ async def measure(args) -> dict:
                     if k < 0:
                         result = await decode_rate(plain, ps[first:first + batch], max_tokens)
                     else:
-                        await engine.set_spec_schedule([[1, 16, k]])
+                        await engine.speculation.set_schedule([[1, 16, k]])
                         result = await decode_rate(engine, ps[first:first + batch], max_tokens)
                     samples.setdefault((k, batch), []).append(result)
         finally:

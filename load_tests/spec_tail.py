@@ -88,7 +88,7 @@ async def run_route(name: str, args, workload) -> dict:
     from rollout_service.core.rollout import RolloutCore
     from rollout_service.drafter import SpecRuntime
     from rollout_service.factory import make_engines, model_info
-    from rollout_service.engines.spec import SpecConfig
+    from rollout_service.engines.spec_config import SpecConfig
     from rollout_service.scheduling import make_placement
 
     spec = dict(ROUTES[name] or {"method": "off"})
@@ -110,8 +110,8 @@ async def run_route(name: str, args, workload) -> dict:
             step = _Step(groups, workload.max_tokens)
             result = await run_step(core, step, f"{name}-s{s}", 4)
             result["warm_up"] = s < args.warmup_steps
-            status = runtime.status()["engines"]
-            result["mean_acceptance_length"] = {eid: st.get("mean_acceptance_length") for eid, st in status.items()}
+            status = runtime.status().engines
+            result["mean_acceptance_length"] = {eid: st.mean_acceptance_length for eid, st in status.items()}
             steps.append(result)
             print(f"  [{name}] step {s}{' (warm-up)' if result['warm_up'] else ''}: makespan {result['makespan_s']:.1f} s, "
                   f"{result['tokens_per_s']:.0f} tokens/s; tail {result['tail_s']:.1f} s at "
@@ -133,7 +133,7 @@ async def run_route(name: str, args, workload) -> dict:
         # Pooled over the measured steps (a step whose tail is a blink must not count as much as a long one).
         "tail_tokens_per_s": sum(r["tail_tokens"] for r in measured) / max(sum(r["tail_s"] for r in measured), 1e-9),
         "tail_s": float(np.mean([r["tail_s"] for r in measured])),
-        "spec_status": final,
+        "spec_status": final.to_dict(),
     }
 
 

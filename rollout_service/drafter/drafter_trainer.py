@@ -9,7 +9,7 @@ optimizer steps (next-token cross-entropy on response tokens, i.e.
 distillation from the target's own samples) runs in a separate process,
 starting from the bundled draft model and continuing from round to round.
 Its weights come back as a safetensors file and are pushed to every engine
-through the draft-weight path (`Engine.update_draft_weights`), numbered
+through the draft-weight path (`engine.speculation.update_draft_weights`), numbered
 1, 2, ... Speculation is verified, so no push can change what is sampled:
 a bad drafter only costs speed.
 
@@ -37,7 +37,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
 from rollout_service.aio import cancel_and_wait
-from rollout_service.engines.spec import from_table
+from rollout_service.drafter.status import TrainerStatus
+from rollout_service.engines.base import Engine
+from rollout_service.engines.tables import from_table
 from rollout_service.engines.types import FinishReason
 from rollout_service.lifecycle.types import Sample
 from rollout_service.engines.weights import StagedWeights, read_safetensors, split_and_verify
@@ -173,16 +175,22 @@ def _train_round(examples: list[tuple[list[int], list[int]]], fresh: list[tuple[
 # -- the service side ------------------------------------------------------------------
 
 
-def has_draft_model(engine: Any) -> bool:
-    monitor = getattr(engine, "spec_monitor", None)
-    return monitor is not None and monitor.cfg.method == "draft_model"
+def has_draft_model(engine: Engine) -> bool:
+    """Whether the engine drafts with a model (so draft weights apply to it)."""
+    return engine.speculation is not None and engine.speculation.has_draft_model
+
+
+def serving_draft_version(engines: Iterable[Engine]) -> int:
+    """The newest drafter serving on any of `engines` (each engine's
+    `speculation.draft_version` is the truth; 0 when none speculates)."""
+    return max((e.speculation.draft_version for e in engines if e.speculation is not None), default=0)
 
 
 class DrafterTrainer:
     """Collects samples, runs training rounds in a background process, and
     pushes each round's drafter to the engines."""
 
-    def __init__(self, engines: Iterable[Any], cfg: TrainerConfig, draft_model_dir: str,
+    def __init__(self, engines: Iterable[Engine], cfg: TrainerConfig, draft_model_dir: str,
                  policy_version: Callable[[], int]) -> None:
         self.engines = [e for e in engines if has_draft_model(e)]
         self.cfg = cfg
@@ -190,8 +198,8 @@ class DrafterTrainer:
         self.policy_version = policy_version
         self.buffer: deque[tuple[int, list[int], list[int]]] = deque(maxlen=cfg.buffer_samples)
         self.new_samples = 0
-        self.draft_version = 0
-        self.rounds: list[dict[str, Any]] = []
+        self.rounds_run = 0
+        self.rounds: deque[dict[str, Any]] = deque(maxlen=100)  # the latest rounds' records
         self.push_seconds = 0.0
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
         self._dir = tempfile.mkdtemp(prefix="rollout-drafter-")
@@ -199,6 +207,12 @@ class DrafterTrainer:
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._lock = asyncio.Lock()
+
+    @property
+    def draft_version(self) -> int:
+        """The newest drafter serving on this trainer's engines; a round
+        pushes the next one."""
+        return serving_draft_version(self.engines)
 
     # -- input ---------------------------------------------------------------
 
@@ -278,19 +292,21 @@ class DrafterTrainer:
             if not examples:
                 return None
             self.new_samples = 0
-            out_path = os.path.join(self._dir, f"draft-{self.draft_version + 1}.safetensors")
+            version = self.draft_version + 1
+            out_path = os.path.join(self._dir, f"draft-{version}-{self.rounds_run}.safetensors")
             loop = asyncio.get_running_loop()
             stats = await loop.run_in_executor(
                 self._ensure_pool(), _train_round, examples, fresh, self.cfg.steps_per_round,
                 self.cfg.batch_size, self.cfg.max_len, out_path)
-            self.draft_version += 1
-            record = dict(stats, draft_version=self.draft_version, policy_version=self.policy_version(),
+            version = max(version, self.draft_version + 1)  # a push from outside may have come meanwhile
+            record = dict(stats, draft_version=version, policy_version=self.policy_version(),
                           examples=len(examples), at=time.time())
             if push:
-                record["push_seconds"] = await self.push_file(self.draft_version, out_path)
+                record["push_seconds"] = await self.push_file(version, out_path)
+            self.rounds_run += 1
             self.rounds.append(record)
             log.info("drafter v%d: loss %.3f -> %.3f, agreement %.3f -> %.3f on %d fresh samples",
-                     self.draft_version, stats["loss_first"], stats["loss_last"],
+                     version, stats["loss_first"], stats["loss_last"],
                      stats["agreement_before"], stats["agreement_after"], len(fresh))
             return record
 
@@ -303,11 +319,11 @@ class DrafterTrainer:
     async def push(self, version: int, staged: StagedWeights) -> float:
         """Apply staged draft weights on every draft-model engine; returns seconds."""
         t0 = time.perf_counter()
-        await asyncio.gather(*(e.update_draft_weights(version, staged) for e in self.engines))
+        await asyncio.gather(*(e.speculation.update_draft_weights(version, staged) for e in self.engines))
         previous, self._staged = self._staged, staged
         if previous is not None and previous is not staged:
             previous.cleanup()
-            old_path = getattr(previous, "_path", None)
+            old_path = previous.path
             if old_path and old_path.startswith(self._dir):
                 # Engines keep the mapped tensors for restarts; the file can go.
                 try:
@@ -318,15 +334,15 @@ class DrafterTrainer:
         self.push_seconds += seconds
         return seconds
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> TrainerStatus:
         last = self.rounds[-1] if self.rounds else {}
-        return {
-            "draft_version": self.draft_version,
-            "rounds": len(self.rounds),
-            "buffered_samples": len(self.buffer),
-            "new_samples": self.new_samples,
-            "last_loss": last.get("loss_last"),
-            "last_agreement_before": last.get("agreement_before"),
-            "last_agreement_after": last.get("agreement_after"),
-            "last_round_seconds": last.get("seconds"),
-        }
+        return TrainerStatus(
+            rounds=self.rounds_run,
+            trained_on_policy_version=last.get("policy_version", 0),
+            buffered_samples=len(self.buffer),
+            new_samples=self.new_samples,
+            last_loss=last.get("loss_last"),
+            last_agreement_before=last.get("agreement_before"),
+            last_agreement_after=last.get("agreement_after"),
+            last_round_seconds=last.get("seconds"),
+        )

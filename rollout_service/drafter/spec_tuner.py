@@ -25,7 +25,11 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 from rollout_service.aio import cancel_and_wait
-from rollout_service.engines.spec import StepObservation, from_table
+from rollout_service.engines.base import Engine
+from rollout_service.engines.spec_monitor import StepObservation
+from rollout_service.engines.spec_status import DepthBucket, TunerState
+from rollout_service.engines.tables import from_table
+from rollout_service.engines.types import EngineState
 
 log = logging.getLogger(__name__)
 
@@ -143,39 +147,37 @@ class DepthTuner:
             out.append(max(ready, key=lambda k: arms[k].reward()) if ready else self.choice[b])
         return out
 
-    def state(self) -> dict[str, Any]:
-        """JSON-serialisable: per bucket the K in force, the greedy K and
-        each arm's measured tokens/s per sequence and observation count."""
+    def state(self) -> TunerState:
+        """Per bucket the K in force, the greedy K and each arm's measured
+        tokens/s per sequence and observation count."""
         best = self.best()
-        return {
-            "decisions": self.decisions,
-            "explorations": self.explorations,
-            "buckets": [
-                {
-                    "batch": [lo, hi],
-                    "k": self.choice[b],
-                    "best_k": best[b],
-                    "tokens_per_s_per_seq": {str(k): round(arm.reward(), 2) for k, arm in self.arms[b].items() if arm.obs},
-                    "observations": {str(k): len(arm.obs) for k, arm in self.arms[b].items() if arm.obs},
-                }
+        return TunerState(
+            decisions=self.decisions,
+            explorations=self.explorations,
+            buckets=[
+                DepthBucket(
+                    min_batch=lo, max_batch=hi, k=self.choice[b], best_k=best[b],
+                    tokens_per_s_per_seq={k: round(arm.reward(), 2) for k, arm in self.arms[b].items() if arm.obs},
+                    observations={k: len(arm.obs) for k, arm in self.arms[b].items() if arm.obs},
+                )
                 for b, (lo, hi) in enumerate(self.buckets)
             ],
-        }
+        )
 
 
 class TunerLoop:
     """Drives one `DepthTuner` per speculating engine: every `interval_s`
     it drains the engine's step observations, decides, and pushes a changed
-    schedule with `engine.set_spec_schedule`. Runs on the event loop; the
-    work per tick is a few hundred additions."""
+    schedule with `engine.speculation.set_schedule`. Runs on the event loop;
+    the work per tick is a few hundred additions."""
 
-    def __init__(self, engines: Iterable[Any], cfg: TunerConfig) -> None:
+    def __init__(self, engines: Iterable[Engine], cfg: TunerConfig) -> None:
         self.cfg = cfg
-        self.tuners: dict[str, tuple[Any, DepthTuner]] = {}
+        self.tuners: dict[str, tuple[Engine, DepthTuner]] = {}
         for engine in engines:
-            monitor = getattr(engine, "spec_monitor", None)
-            if monitor is None or not monitor.cfg.enabled:
+            if engine.speculation is None:
                 continue
+            monitor = engine.speculation.monitor
             tuner = DepthTuner(cfg, monitor.cfg.num_speculative_tokens, monitor.max_seqs, monitor.schedule)
             self.tuners[engine.engine_id] = (engine, tuner)
         self._task: asyncio.Task | None = None
@@ -191,14 +193,15 @@ class TunerLoop:
     async def tick(self) -> None:
         """One decision round (also callable directly, e.g. from tests)."""
         for engine, tuner in self.tuners.values():
-            monitor = engine.spec_monitor
+            speculation = engine.speculation
+            monitor = speculation.monitor
             tuner.observe(monitor.drain())
             schedule = tuner.choose()
-            if engine.load().state not in ("ready", "updating"):
+            if engine.load().state not in (EngineState.READY, EngineState.UPDATING):
                 continue
             if [tuple(e) for e in monitor.schedule] != schedule:
                 try:
-                    await engine.set_spec_schedule(schedule)
+                    await speculation.set_schedule(schedule)
                 except Exception as exc:  # an engine restarting: try next tick
                     log.debug("spec schedule for %s not applied: %s", engine.engine_id, exc)
             monitor.tuner_state = tuner.state()

@@ -1,13 +1,16 @@
 """The engine protocol: the only thing the layers above see of an engine.
 
-Every engine kind (`sim`, `vllm`) implements it; the core and the
-scheduling policies never learn which kind they talk to.
+Every engine kind (`sim`, `vllm`, and either in a Ray actor) implements
+it; the core and the scheduling policies never learn which kind they talk
+to. Capabilities beyond generation are declared, not discovered:
+`speculation` is None on an engine that does not speculate.
 """
 from __future__ import annotations
 
 from typing import AsyncIterator, Mapping, Protocol, runtime_checkable
 
-from rollout_service.engines.types import EngineLoad, EngineRequest, PartialResponse, TokenDelta
+from rollout_service.engines.speculation import Speculation
+from rollout_service.engines.types import EngineDescription, EngineLoad, EngineRequest, PartialResponse, TokenDelta
 from rollout_service.engines.weights import StagedWeights
 
 
@@ -23,6 +26,7 @@ class WeightsRejected(ValueError):
 class Engine(Protocol):
     engine_id: str
     kind: str
+    speculation: Speculation | None  # None: this engine does not speculate
 
     async def start(self) -> None:
         """Bring the engine up; returns when it can accept requests."""
@@ -41,7 +45,10 @@ class Engine(Protocol):
         (since its `add`), with logprobs and versions."""
 
     def load(self) -> EngineLoad:
-        """A snapshot of the engine's load (cheap, non-blocking)."""
+        """A snapshot of the engine's load (cheap, non-blocking); KV use in tokens."""
+
+    def describe(self) -> EngineDescription:
+        """What the engine is: kind, model, limits, speculation method."""
 
     def check_weights(self, manifest: Mapping[str, tuple[str, tuple[int, ...]]]) -> None:
         """Raise WeightsRejected if a manifest {name: (dtype, shape)} does not
@@ -50,12 +57,6 @@ class Engine(Protocol):
     async def update_weights(self, version: int, weights: StagedWeights) -> None:
         """Apply verified policy weights at a safe point (between engine
         steps); tokens sampled afterwards carry `version`."""
-
-    async def update_draft_weights(self, version: int, weights: StagedWeights) -> None:
-        """Apply draft-model weights (speculative decoding) between two
-        steps. Lossless whatever the weights: drafts are verified against the
-        target. `version` numbers the drafter, not the policy. Engines
-        without a draft model raise EngineError."""
 
     async def close(self) -> None:
         """Stop the engine and free its resources."""

@@ -67,14 +67,18 @@ import numpy as np
 
 from rollout_service.aio import cancel_and_wait
 from rollout_service.engines.types import (
+    EngineDescription,
     EngineLoad,
+    EngineState,
     EngineRequest,
     FinishReason,
     PartialResponse,
     TokenDelta,
 )
 from rollout_service.engines.base import EngineError
-from rollout_service.engines.spec import DEFAULT_SCHEDULE, SpecConfig, SpecMonitor
+from rollout_service.engines.spec_config import DEFAULT_SCHEDULE, SpecConfig
+from rollout_service.engines.spec_monitor import SpecMonitor
+from rollout_service.engines.speculation import MonitoredSpeculation
 
 
 @dataclass(slots=True)
@@ -232,7 +236,7 @@ class SimEngine:
         self._running: list[_Seq] = []
         self._seqs: dict[str, _Seq] = {}
         self._version = 0
-        self._state = "starting"
+        self._state = EngineState.STARTING
         self._wake = asyncio.Event()
         self._step_lock = asyncio.Lock()
         self._task: asyncio.Task | None = None
@@ -242,7 +246,8 @@ class SimEngine:
         spec = SpecConfig(method=p.spec_method, num_speculative_tokens=p.spec_max_k,
                           schedule=[list(e) for e in p.spec_schedule])
         spec.validate()
-        self.spec_monitor = SpecMonitor(spec, p.max_seqs)
+        self._monitor = SpecMonitor(spec, p.max_seqs)
+        self.speculation: SimSpeculation | None = SimSpeculation(self, self._monitor) if spec.enabled else None
         self._draft_policy_version = 0  # the policy version the drafter last caught up with
         self.busy_s = 0.0  # time spent in steps with work (for utilisation)
         self.slot_s = 0.0  # sum over steps of running sequences x step time
@@ -251,7 +256,7 @@ class SimEngine:
     async def start(self) -> None:
         self._run = None
         self._task = asyncio.create_task(self._loop(), name=f"sim-{self.engine_id}")
-        self._state = "ready"
+        self._state = EngineState.READY
 
     def _target_length(self, req: EngineRequest) -> int:
         hint = req.hints.get("target_length")
@@ -262,7 +267,7 @@ class SimEngine:
         return max(1, int(round(p.length_median * math.exp(p.length_sigma * rng.gauss(0, 1)))))
 
     def add(self, request: EngineRequest) -> AsyncIterator[TokenDelta]:
-        if self._state == "dead":
+        if self._state == EngineState.DEAD:
             raise EngineError(f"engine {self.engine_id} is dead")
         if request.request_id in self._seqs:
             raise EngineError(f"request {request.request_id} already running on {self.engine_id}")
@@ -319,6 +324,13 @@ class SimEngine:
             policy_version=self._version,
         )
 
+    def describe(self) -> EngineDescription:
+        spec = self._monitor.cfg
+        return EngineDescription(
+            engine_id=self.engine_id, kind=self.kind, placement="local", model="", model_name="simulated",
+            max_seqs=self.params.max_seqs, max_model_len=0, kv_capacity_tokens=self.params.kv_capacity_tokens,
+            speculation=spec.method)
+
     def check_weights(self, manifest: Mapping[str, tuple[str, tuple[int, ...]]]) -> None:
         # A simulated engine has no parameters to match; any manifest fits.
         return None
@@ -326,30 +338,13 @@ class SimEngine:
     async def update_weights(self, version: int, weights: object) -> None:
         self._cut_run()
         async with self._step_lock:  # between two steps: a safe point
-            prev, self._state = self._state, "updating"
+            prev, self._state = self._state, EngineState.UPDATING
             await asyncio.sleep(self.params.weight_update_s)
             self._version = version
-            self._state = prev if prev != "updating" else "ready"
-
-    async def update_draft_weights(self, version: int, weights: object) -> None:
-        """The drafter catches up with the serving policy (no pause: drafts
-        are verified, so this never changes what is sampled)."""
-        self._cut_run()
-        self._draft_policy_version = self._version
-        self.spec_monitor.draft_version = version
-
-    async def set_spec_schedule(self, schedule) -> None:
-        """Replace the speculative depth per running-batch size."""
-        if not self.spec_monitor.cfg.enabled:
-            raise EngineError(f"engine {self.engine_id} does not speculate")
-        self.spec_monitor.set_schedule(schedule)
-        self._cut_run()
-
-    def spec_status(self) -> dict:
-        return self.spec_monitor.status()
+            self._state = prev if prev != EngineState.UPDATING else EngineState.READY
 
     async def close(self) -> None:
-        self._state = "dead"
+        self._state = EngineState.DEAD
         await cancel_and_wait(self._task)
         for rid in list(self._seqs):
             await self.abort(rid)
@@ -401,14 +396,14 @@ class SimEngine:
             # Step i starts with ctx0 + (i-1)n tokens; it is preempted if that plus n exceeds the cache.
             steps = min(steps, max(1, (p.kv_capacity_tokens - ctx0) // n))
         steps = min(steps, max(1, p.max_run_steps))
-        if self.spec_monitor.cfg.enabled:
+        if self._monitor.cfg.enabled:
             # Short runs: the depth tuner learns from each run's measurements
             # and must not wait for a whole tail to see one.
             steps = min(steps, 32)
         # With speculation a step of the run is one token per sequence: a
         # verify step (plus its drafts) divided by the tokens it yields.
         per_step_s = p.decode_base_s + p.decode_per_seq_s * n
-        k = self.spec_monitor.k_for(n) if self.spec_monitor.cfg.enabled else 0
+        k = self._monitor.k_for(n) if self._monitor.cfg.enabled else 0
         length, profile = 1.0, []
         if k == 0 and p.spec_method == "draft_model":
             # vLLM runs the drafter once per step even at K = 0 (its KV cache
@@ -510,8 +505,8 @@ class SimEngine:
                 seq.done = True
                 self._running.remove(seq)
                 self._seqs.pop(seq.request.request_id, None)
-        if self.spec_monitor.cfg.enabled:
-            self.spec_monitor.record_expected(run.n, run.k, dt, run.n * m, run.n * m / run.length, run.profile)
+        if self._monitor.cfg.enabled:
+            self._monitor.record_expected(run.n, run.k, dt, run.n * m, run.n * m / run.length, run.profile)
         if dt > 0:
             decay = 0.9 ** m
             self._tokens_per_s = decay * self._tokens_per_s + (1 - decay) * (run.n * m / dt)
@@ -535,6 +530,29 @@ class SimEngine:
                 await run.done
                 self._run = None
                 self._complete(run)
+
+
+class SimSpeculation(MonitoredSpeculation):
+    """Simulated speculation: the schedule changes the modelled step costs;
+    a draft-weight push makes the drafter catch up with the serving policy
+    (`spec_acceptance_drift`)."""
+
+    def __init__(self, engine: SimEngine, monitor: SpecMonitor) -> None:
+        super().__init__(monitor)
+        self._engine = engine
+
+    async def set_schedule(self, schedule) -> None:
+        self.monitor.set_schedule(schedule)
+        self._engine._cut_run()
+
+    async def update_draft_weights(self, version: int, weights: object) -> None:
+        """No pause: drafts are verified, so this never changes what is sampled."""
+        engine = self._engine
+        if not self.has_draft_model:
+            raise EngineError(f"engine {engine.engine_id} has no draft model (spec method {self.config.method!r})")
+        engine._cut_run()
+        engine._draft_policy_version = engine._version
+        self.monitor.draft_version = version
 
 
 def _resolve(fut: asyncio.Future) -> None:

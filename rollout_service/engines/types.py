@@ -9,6 +9,15 @@ import enum
 from dataclasses import dataclass, field
 
 
+class EngineState(enum.StrEnum):
+    """An engine's lifecycle state (str-valued: compares equal to "ready")."""
+
+    STARTING = "starting"
+    READY = "ready"
+    UPDATING = "updating"  # applying policy weights; running requests are paused, not lost
+    DEAD = "dead"
+
+
 class FinishReason(enum.IntEnum):
     UNSPECIFIED = 0
     STOP = 1
@@ -77,12 +86,12 @@ class EngineLoad:
 
     engine_id: str
     kind: str
-    state: str  # "starting", "ready", "updating", "dead"
+    state: EngineState
     running: int
     waiting: int
     max_seqs: int
-    kv_used_tokens: int
-    kv_capacity_tokens: int
+    kv_used_tokens: int  # tokens of KV cache in use
+    kv_capacity_tokens: int  # tokens the KV cache holds (0: unknown, e.g. not started)
     tokens_per_s: float
     policy_version: int
 
@@ -90,3 +99,27 @@ class EngineLoad:
     def kv_usage(self) -> float:
         return self.kv_used_tokens / self.kv_capacity_tokens if self.kv_capacity_tokens else 0.0
 
+
+
+@dataclass(slots=True, frozen=True)
+class EngineDescription:
+    """What an engine is (not how loaded it is): the edges (OpenAI / vLLM
+    compatible endpoints, status) read it instead of engine attributes.
+
+    `model` is the model directory ("" for a simulated engine without one);
+    `kv_capacity_tokens` is 0 until the engine has started and sized its
+    cache; `speculation` is the method or "off"; `draft_model` the draft
+    model directory when the method is "draft_model", else ""."""
+
+    engine_id: str
+    kind: str  # "vllm" or "sim"
+    placement: str  # "local" or "ray"
+    model: str
+    model_name: str
+    max_seqs: int
+    max_model_len: int
+    kv_capacity_tokens: int
+    dtype: str = ""
+    logprobs_mode: str = "processed_logprobs"
+    speculation: str = "off"
+    draft_model: str = ""

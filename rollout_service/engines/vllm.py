@@ -11,6 +11,15 @@ Weight updates use vLLM's RL hooks: `pause_generation(mode="keep")` (running
 requests are frozen, not lost), an in-place reload in the worker from a
 staged safetensors file (`RolloutWorkerExtension`), `update_weight_version`,
 `resume_generation()`.
+
+KV use is reported in tokens: the engine core's cache (blocks x block
+size, read from the vLLM config once the engine is up) times vLLM's
+usage fraction.
+
+Speculation at temperature > 0 is exact on vLLM's CPU platform only with
+`vllm_plugin`'s rejection-sampler fix in the worker processes; an engine
+configured to speculate there checks it after start and refuses to run
+without it.
 """
 from __future__ import annotations
 
@@ -23,7 +32,9 @@ from pathlib import Path
 from typing import AsyncIterator, Mapping
 
 from rollout_service.engines.types import (
+    EngineDescription,
     EngineLoad,
+    EngineState,
     EngineRequest,
     FinishReason,
     PartialResponse,
@@ -31,11 +42,40 @@ from rollout_service.engines.types import (
 )
 from rollout_service.engines.weights import StagedWeights, checkpoint_manifest
 from rollout_service.engines.base import EngineError, WeightsRejected
-from rollout_service.engines.spec import SpecConfig, SpecMonitor, normalize_schedule
+from rollout_service.engines.spec_config import SpecConfig
+from rollout_service.engines.spec_monitor import SpecMonitor
+from rollout_service.engines.vllm_speculation import VllmSpeculation, spec_counts
 
 log = logging.getLogger(__name__)
 
 _SPAWN_LOCK = threading.Lock()  # engines spawn one at a time (they share os.environ)
+
+
+def default_dtype() -> str:
+    """float32 on vLLM's CPU platform (bf16 kills some CPU engines with
+    SIGILL, and is no faster for small models there); vLLM's "auto" (the
+    checkpoint's dtype) elsewhere. `vllm_args["dtype"]` overrides it."""
+    from vllm.platforms import current_platform
+
+    return "float32" if current_platform.is_cpu() else "auto"
+
+
+def _with_environment(env: Mapping[str, str], build):
+    """`build()` with `env` set in os.environ (restored afterwards): engine
+    processes inherit it at spawn, so engines spawn one at a time."""
+    with _SPAWN_LOCK:
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            return build()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
 class _LoadLogger:
     """A vLLM stat logger that keeps the latest scheduler statistics."""
 
@@ -58,8 +98,8 @@ class _LoadLogger:
                     engine._kv_usage = scheduler_stats.kv_cache_usage
                 if iteration_stats is not None:
                     engine._count_tokens(iteration_stats.num_generation_tokens)
-                if engine.spec.enabled:
-                    engine._record_spec_step(scheduler_stats, iteration_stats)
+                if engine.speculation is not None:
+                    engine.speculation.record_step(scheduler_stats, iteration_stats)
 
             def log_engine_initialized(self):
                 pass
@@ -93,6 +133,7 @@ class VllmEngine:
         vllm_args: Mapping[str, object] | None = None,
         spec: SpecConfig | Mapping[str, object] | None = None,
         env: Mapping[str, str] | None = None,
+        require_exact_sampler: bool = True,
     ) -> None:
         self.engine_id = engine_id
         self.model = model
@@ -106,10 +147,15 @@ class VllmEngine:
         # engine's processes (e.g. ROLLOUT_STOCK_SPEC_SAMPLER=1).
         self.spec = spec if isinstance(spec, SpecConfig) else SpecConfig.from_dict(spec)
         self.env = dict(env or {})
-        self.spec_monitor = SpecMonitor(self.spec, max_seqs)
-        self._last_draft: tuple[int, StagedWeights] | None = None
+        # Refuse to speculate on a CPU without the exact sampler (False only
+        # for the negative control of the exactness test).
+        self.require_exact_sampler = require_exact_sampler
+        self._monitor = SpecMonitor(self.spec, max_seqs)
+        self.speculation: VllmSpeculation | None = VllmSpeculation(self, self._monitor) if self.spec.enabled else None
         self._llm = None
-        self._state = "starting"
+        self._state = EngineState.STARTING
+        self._kv_capacity = 0  # tokens, known once the engine core is up
+        self._dtype = ""
         self._version = 0
         self._seqs: dict[str, _Seq] = {}
         self._running = self._waiting = 0
@@ -123,18 +169,46 @@ class VllmEngine:
     # -- lifecycle ---------------------------------------------------------------
 
     async def start(self) -> None:
-        """Start (or restart, after a death) the engine; returns when ready."""
+        """Start (or restart, after a death) the engine; returns when ready.
+
+        Raises EngineError, with the engine shut down again, when the engine
+        would speculate inexactly (`VllmSpeculation.check_exact_sampler`)."""
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
         if self._llm is not None:
             self._shutdown_llm()
             self.restarts += 1
-        self._state = "starting"
+        self._state = EngineState.STARTING
         self._version = 0  # a fresh engine serves the model directory's weights
-        args = dict(
+        args = self._engine_args()
+        # Construction blocks until the engine core is up (~20 s on a CPU), so
+        # it runs in a thread: a restart must not stall the other engines.
+        self._llm = await asyncio.to_thread(
+            _with_environment, self._spawn_environment(),
+            lambda: AsyncLLM.from_engine_args(AsyncEngineArgs(**args), stat_loggers=[_LoadLogger(self)]))
+        self._dtype = str(args["dtype"])
+        self._kv_capacity = self._read_kv_capacity()
+        try:
+            if self.speculation is not None:
+                await self.speculation.check_exact_sampler()
+            await self._llm.update_weight_version(str(self._version))
+            if self.speculation is not None:
+                await self.speculation.restore()
+        except BaseException:
+            self._shutdown_llm()
+            self._state = EngineState.DEAD
+            raise
+        self._state = EngineState.READY
+        log.info("%s ready (%s, pid %s, KV cache %d tokens)", self.engine_id, self.model, self.engine_core_pid,
+                 self._kv_capacity)
+
+    def _engine_args(self) -> dict[str, object]:
+        """vLLM's engine arguments: this service's defaults, then speculation,
+        then `vllm_args` (which override both)."""
+        args: dict[str, object] = dict(
             model=self.model,
-            dtype="float32",
+            dtype=default_dtype(),
             enforce_eager=True,
             max_model_len=self.max_model_len,
             max_num_seqs=self.max_seqs,
@@ -147,33 +221,21 @@ class VllmEngine:
             args["speculative_config"] = self.spec.vllm_speculative_config(self.max_seqs)
             args["per_request_spec_decode_metrics"] = "summary"
         args.update(self.vllm_args)
-        # Engine processes read these at spawn: set them for this engine only.
-        # Construction blocks until the engine core is up (~20 s on a CPU), so
-        # it runs in a thread: a restart must not stall the other engines.
+        return args
+
+    def _spawn_environment(self) -> dict[str, str]:
+        """What this engine's processes read from the environment at spawn."""
         env = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, round(self.kv_cache_gib)))}
         if self.cpu_bind is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_bind
         env.update(self.env)
+        return env
 
-        def build():
-            with _SPAWN_LOCK:
-                saved = {k: os.environ.get(k) for k in env}
-                os.environ.update(env)
-                try:
-                    return AsyncLLM.from_engine_args(AsyncEngineArgs(**args), stat_loggers=[_LoadLogger(self)])
-                finally:
-                    for k, v in saved.items():
-                        if v is None:
-                            os.environ.pop(k, None)
-                        else:
-                            os.environ[k] = v
-
-        self._llm = await asyncio.to_thread(build)
-        await self._llm.update_weight_version(str(self._version))
-        if self.spec.enabled:
-            await self._prepare_spec()
-        self._state = "ready"
-        log.info("%s ready (%s, pid %s)", self.engine_id, self.model, self.engine_core_pid)
+    def _read_kv_capacity(self) -> int:
+        """Tokens the engine core's KV cache holds: its block count (sent back
+        by the engine core at start) times the block size."""
+        cache = self._llm.vllm_config.cache_config
+        return int(cache.num_gpu_blocks or 0) * int(cache.block_size or 0)
 
     @property
     def engine_core_pid(self) -> int | None:
@@ -191,7 +253,7 @@ class VllmEngine:
                 log.debug("shutdown of %s: %s", self.engine_id, exc)
 
     async def close(self) -> None:
-        self._state = "dead"
+        self._state = EngineState.DEAD
         self._shutdown_llm()
 
     def _alive(self) -> bool:
@@ -219,7 +281,7 @@ class VllmEngine:
         )
 
     def add(self, request: EngineRequest) -> AsyncIterator[TokenDelta]:
-        if not self._alive() or self._state == "dead":
+        if not self._alive() or self._state == EngineState.DEAD:
             raise EngineError(f"engine {self.engine_id} is not running")
         if request.request_id in self._seqs:
             raise EngineError(f"request {request.request_id} already running on {self.engine_id}")
@@ -267,7 +329,7 @@ class VllmEngine:
                     finish = FinishReason.LENGTH if comp.finish_reason == "length" else FinishReason.STOP
                     if comp.finish_reason == "abort":
                         finish = FinishReason.ABORTED
-                    drafted, accepted = _spec_counts(comp)
+                    drafted, accepted = spec_counts(comp)
                 # One delta per version run (a merged delta may span an update).
                 i = 0
                 while i < len(ids):
@@ -316,8 +378,8 @@ class VllmEngine:
 
     def load(self) -> EngineLoad:
         state = self._state
-        if state != "starting" and not self._alive():
-            state = "dead"
+        if state != EngineState.STARTING and not self._alive():
+            state = EngineState.DEAD
         window = self._tok_window
         rate = 0.0
         if len(window) > 1:
@@ -330,11 +392,20 @@ class VllmEngine:
             running=self._running,
             waiting=self._waiting,
             max_seqs=self.max_seqs,
-            kv_used_tokens=int(self._kv_usage * 1_000_000),
-            kv_capacity_tokens=1_000_000,
+            kv_used_tokens=round(self._kv_usage * self._kv_capacity),
+            kv_capacity_tokens=self._kv_capacity,
             tokens_per_s=rate,
             policy_version=self._version,
         )
+
+    def describe(self) -> EngineDescription:
+        return EngineDescription(
+            engine_id=self.engine_id, kind=self.kind, placement="local", model=self.model,
+            model_name=Path(self.model).name, max_seqs=self.max_seqs, max_model_len=self.max_model_len,
+            kv_capacity_tokens=self._kv_capacity, dtype=str(self.vllm_args.get("dtype", self._dtype)),
+            logprobs_mode=str(self.vllm_args.get("logprobs_mode", "processed_logprobs")),
+            speculation=self.spec.method,
+            draft_model=self.spec.draft_model_path() if self.spec.method == "draft_model" else "")
 
     # -- weights ----------------------------------------------------------------
 
@@ -353,7 +424,7 @@ class VllmEngine:
             raise EngineError(f"engine {self.engine_id} is not running")
         async with self._update_lock:
             path = await weights.as_file()
-            self._state = "updating"
+            self._state = EngineState.UPDATING
             # Every wait is bounded: a stuck engine fails the push (the
             # previous version keeps serving elsewhere) instead of hanging it.
             timeout = self.update_timeout_s
@@ -364,75 +435,4 @@ class VllmEngine:
                 self._version = version
             finally:
                 await asyncio.wait_for(self._llm.resume_generation(), timeout)
-                self._state = "ready"
-
-    # -- speculative decoding -----------------------------------------------------
-
-    def _record_spec_step(self, scheduler_stats, iteration_stats) -> None:
-        """Feed one engine step to the monitor. The step time is the
-        inter-token latency of the requests that were already decoding
-        (engine-core timestamps, so front-end lag does not count)."""
-        if iteration_stats is None:
-            return
-        itl = iteration_stats.inter_token_latencies_iter
-        batch = len(itl) + len(iteration_stats.time_to_first_tokens_iter)
-        seconds = sorted(itl)[len(itl) // 2] if itl else None
-        spec_stats = getattr(scheduler_stats, "spec_decoding_stats", None) if scheduler_stats is not None else None
-        self.spec_monitor.record(batch, seconds, iteration_stats.num_generation_tokens, spec_stats)
-
-    def spec_status(self) -> dict:
-        """The `spec` section of this engine's status: method, schedule in
-        force, draft-weight version, tokens drafted and accepted, acceptance
-        by draft position, the depth tuner's state."""
-        return self.spec_monitor.status()
-
-    async def set_spec_schedule(self, schedule) -> None:
-        """Replace the speculative depth per running-batch size
-        ([(first, last, K), ...]); it takes effect between two engine steps."""
-        if not self.spec.enabled:
-            raise EngineError(f"engine {self.engine_id} does not speculate")
-        if not self._alive():
-            raise EngineError(f"engine {self.engine_id} is not running")
-        self.spec_monitor.set_schedule(schedule)
-        await self._llm.engine_core.call_utility_async(
-            "rollout_set_spec_schedule", [list(e) for e in self.spec_monitor.schedule])
-
-    async def spec_engine_info(self) -> dict:
-        """What the engine-core process reports of its speculation (pid, max
-        K, the dense depth lookup, whether the exact sampler is in place)."""
-        return await self._llm.engine_core.call_utility_async("rollout_spec_info")
-
-    async def update_draft_weights(self, version: int, weights: StagedWeights) -> None:
-        """Reload the draft model in place. No pause: the worker applies it
-        between two steps, and speculation is verified, so draft weights
-        change only how many drafted tokens are accepted, never what is
-        sampled."""
-        if self.spec.method != "draft_model":
-            raise EngineError(f"engine {self.engine_id} has no draft model (spec method {self.spec.method!r})")
-        if not self._alive():
-            raise EngineError(f"engine {self.engine_id} is not running")
-        path = await weights.as_file()
-        await self._llm.collective_rpc("rollout_reload_draft_weights", args=(path,))
-        self.spec_monitor.draft_version = version
-        self._last_draft = (version, weights)
-
-    async def _prepare_spec(self) -> None:
-        """After a (re)start: wire the sibling proposer; restore the tuned
-        schedule and the latest draft weights."""
-        if self.spec.method == "siblings":
-            await self._llm.collective_rpc("rollout_attach_sibling_drafter")
-        monitor = self.spec_monitor
-        if monitor.schedule != normalize_schedule(self.spec.schedule, self.max_seqs, self.spec.num_speculative_tokens):
-            await self.set_spec_schedule(monitor.schedule)
-        if self._last_draft is not None:
-            await self.update_draft_weights(*self._last_draft)
-
-
-def _spec_counts(completion) -> tuple[int, int]:
-    """(draft tokens proposed, accepted) for a finished request, from vLLM's
-    per-request speculative metrics; (0, 0) without speculation."""
-    metrics = getattr(completion, "spec_decode_metrics", None)
-    if metrics is None:
-        return 0, 0
-    accepted = sum(j * n for j, n in enumerate(metrics.histogram))
-    return int(metrics.num_draft_tokens), int(accepted)
+                self._state = EngineState.READY

@@ -11,7 +11,10 @@ core, workers), registered through the `vllm.general_plugins` entry point.
    kernel computes.
 
    Set ROLLOUT_STOCK_SPEC_SAMPLER=1 to keep the stock path (the negative
-   control of the exactness test).
+   control of the exactness test). When the fix cannot be applied (vLLM's
+   module layout changed) the plugin logs an error, and `sampler_status()`
+   says why: a `VllmEngine` that speculates on a CPU checks it after start
+   and refuses to run.
 
 2. It gives vLLM's `EngineCore` two utility methods, reached from the front
    end with `engine_core.call_utility_async(name, ...)`: the speculative
@@ -21,7 +24,10 @@ core, workers), registered through the `vllm.general_plugins` entry point.
 """
 from __future__ import annotations
 
+import logging
 import os
+
+log = logging.getLogger(__name__)
 
 PATCHED_ATTR = "_rollout_service_patched"
 ORIGINAL_ATTR = "_rollout_service_original_expand"
@@ -39,6 +45,11 @@ def exact_expand_batch_to_tokens(x, cu_num_tokens, num_tokens: int, replace_from
     return out
 
 
+#: Why this process does not run the exact expansion ("" when it does, or
+#: when the plugin has not run here).
+_NOT_PATCHED_REASON = "the rollout_service vLLM plugin did not run in this process"
+
+
 def sampler_is_patched() -> bool:
     """Whether this process runs the exact expansion (False off-CPU too)."""
     try:
@@ -48,26 +59,48 @@ def sampler_is_patched() -> bool:
     return bool(getattr(rejection_sampler, PATCHED_ATTR, False))
 
 
+def sampler_status() -> tuple[bool, str]:
+    """(whether this process runs the exact expansion, why not if it does not)."""
+    patched = sampler_is_patched()
+    return patched, "" if patched else _NOT_PATCHED_REASON
+
+
 def _patch_rejection_sampler() -> None:
+    global _NOT_PATCHED_REASON
     try:
         from vllm.platforms import current_platform
-
-        if not current_platform.is_cpu():
-            return  # the GPU kernel is correct
+    except ImportError:  # no vLLM here: nothing to fix
+        return
+    if not current_platform.is_cpu():
+        _NOT_PATCHED_REASON = "not needed off the CPU platform (the GPU kernel is exact)"
+        return
+    try:
         from vllm.v1.sample import rejection_sampler
-    except Exception:  # vLLM absent or changed: nothing to fix here
+    except Exception as exc:
+        _NOT_PATCHED_REASON = f"vllm.v1.sample.rejection_sampler does not import ({type(exc).__name__}: {exc})"
+        log.error("rollout_service cannot fix vLLM's CPU rejection sampler: %s; speculative decoding at "
+                  "temperature > 0 would be inexact, so engines that speculate will refuse to start", _NOT_PATCHED_REASON)
         return
     patched = getattr(rejection_sampler, PATCHED_ATTR, False)
     if os.environ.get("ROLLOUT_STOCK_SPEC_SAMPLER") == "1":
         if patched:  # inherited through fork from a patched parent: undo it
             rejection_sampler.expand_batch_to_tokens = getattr(rejection_sampler, ORIGINAL_ATTR)
             setattr(rejection_sampler, PATCHED_ATTR, False)
+        _NOT_PATCHED_REASON = "ROLLOUT_STOCK_SPEC_SAMPLER=1 keeps vLLM's stock (inexact) sampler"
         return
     if patched:
+        _NOT_PATCHED_REASON = ""
+        return
+    if not callable(getattr(rejection_sampler, "expand_batch_to_tokens", None)):
+        _NOT_PATCHED_REASON = ("vllm.v1.sample.rejection_sampler has no expand_batch_to_tokens "
+                               "(vLLM's layout changed; the fix needs updating)")
+        log.error("rollout_service cannot fix vLLM's CPU rejection sampler: %s; speculative decoding at "
+                  "temperature > 0 would be inexact, so engines that speculate will refuse to start", _NOT_PATCHED_REASON)
         return
     setattr(rejection_sampler, ORIGINAL_ATTR, rejection_sampler.expand_batch_to_tokens)
     rejection_sampler.expand_batch_to_tokens = exact_expand_batch_to_tokens
     setattr(rejection_sampler, PATCHED_ATTR, True)
+    _NOT_PATCHED_REASON = ""
 
 
 # -- engine-core utilities (run in the engine-core process, between steps) -----

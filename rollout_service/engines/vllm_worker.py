@@ -88,11 +88,12 @@ class RolloutWorkerExtension:
         drafter.attach(self.model_runner)
         return True
 
-    def rollout_spec_sampler_patched(self) -> tuple[int, bool]:
+    def rollout_spec_sampler_patched(self) -> tuple[int, bool, str]:
         """(pid, whether this worker runs the exact rejection-sampler
-        expansion of `vllm_plugin`)."""
+        expansion of `vllm_plugin`, why not if it does not)."""
         import os
 
-        from rollout_service.engines.vllm_plugin import sampler_is_patched
+        from rollout_service.engines.vllm_plugin import sampler_status
 
-        return os.getpid(), sampler_is_patched()
+        patched, reason = sampler_status()
+        return os.getpid(), patched, reason

@@ -170,6 +170,12 @@ class StagedWeights:
         self._lock = None
 
     @property
+    def path(self) -> str | None:
+        """The staged (or pushed) safetensors file, None before `as_file()`
+        or after `cleanup()`."""
+        return self._path
+
+    @property
     def total_bytes(self) -> int:
         return sum(len(t.data) for t in self.tensors)
 

@@ -1,0 +1,44 @@
+"""The load tests' policy vocabulary for speculation: mechanism names
+(`rollout_service.scheduling.policy`) and the `[engine.spec]` table each
+asks for."""
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping
+
+from rollout_service.scheduling.policy import MECHANISMS, register_mechanism
+
+#: Policy mechanisms -> `[engine.spec]`.
+MECHANISM_SPECS: dict[str, dict[str, Any]] = {
+    "spec": {"method": "draft_model", "tune": True, "train": True},
+    "spec-frozen": {"method": "draft_model", "tune": True, "train": False},
+    "spec-ngram": {"method": "ngram", "tune": True},
+}
+
+_DESCRIPTIONS = {
+    "spec": "speculative decoding in the tail with the online-trained drafter and the depth tuner",
+    "spec-frozen": "speculative decoding in the tail with the bundled drafter, never retrained (baseline)",
+    "spec-ngram": "speculative decoding in the tail with n-gram (prompt lookup) drafts and the depth tuner",
+}
+
+
+def register_mechanisms() -> None:
+    """Make the speculation mechanisms known to policy parsing (idempotent)."""
+    for name, description in _DESCRIPTIONS.items():
+        if name not in MECHANISMS:
+            register_mechanism(name, description)
+
+
+def mechanism_spec(mechanisms: Iterable[str], base: Mapping[str, Any] | None = None) -> tuple[dict[str, Any], list[str]]:
+    """The `[engine.spec]` table a policy's mechanisms ask for (on top of
+    `base`), and the mechanisms that are not about speculation."""
+    spec = dict(base or {})
+    rest = []
+    chosen = [m for m in mechanisms if m in MECHANISM_SPECS]
+    if len(chosen) > 1:
+        raise ValueError(f"policy names two speculation mechanisms {chosen}; pick one")
+    for m in mechanisms:
+        if m in MECHANISM_SPECS:
+            spec.update(MECHANISM_SPECS[m])
+        else:
+            rest.append(m)
+    return spec, rest

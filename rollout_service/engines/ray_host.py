@@ -1,0 +1,224 @@
+"""The actor side of the Ray fleet: `EngineHost` runs inside a Ray actor
+process, hosts one or more real engines (a `VllmEngine` or a `SimEngine`,
+unchanged) and multiplexes what they produce onto one event stream.
+
+What crosses to the server (`ray_proxy`) is typed: an `EventBatch` per
+stream item, holding load snapshots, `StreamEvent`s (token deltas, stream
+ends, errors) and speculation snapshots. Weights arrive through Ray's object
+store and are staged once per actor and version as a safetensors file in the
+node's /dev/shm.
+"""
+from __future__ import annotations
+
+import asyncio
+import enum
+import glob
+import logging
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Mapping
+
+from rollout_service.engines.base import Engine
+from rollout_service.engines.spec_monitor import SpecSnapshot
+from rollout_service.engines.types import EngineDescription, EngineLoad, EngineRequest, EngineState, TokenDelta
+from rollout_service.engines.weights import StagedWeights, WeightTensor
+
+log = logging.getLogger(__name__)
+
+STAGING_PREFIX = "rollout-weights-ray-"
+
+
+class EventKind(enum.IntEnum):
+    DELTA = 0  # token deltas of a request
+    END = 1  # the request's stream ended without a finish (aborted)
+    ERROR = 2  # the request failed on the engine
+
+
+@dataclass(slots=True)
+class StreamEvent:
+    """News of one request stream (`stream_id`, opened by the proxy)."""
+
+    stream_id: int
+    kind: EventKind
+    delta: TokenDelta | None = None  # DELTA
+    error: str = ""  # ERROR: "ExceptionType: message"
+
+
+@dataclass(slots=True)
+class EventBatch:
+    """One item of an actor's event stream: per engine (incarnation, load),
+    the stream events since the last batch, and speculation snapshots of
+    the engines that speculate."""
+
+    loads: dict[str, tuple[int, EngineLoad]]
+    events: list[StreamEvent] = field(default_factory=list)
+    spec: dict[str, SpecSnapshot] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class WeightsApplied:
+    """The reply of `EngineHost.update_weights` (seconds)."""
+
+    stage_s: float
+    apply_s: float
+    incarnation: int
+    load: EngineLoad
+
+
+class EngineHost:
+    """Runs inside a Ray actor process: hosts one or more engines and
+    multiplexes what they produce onto one event stream.
+
+    `factories` maps engine ids to zero-argument callables that build the
+    engines (pickled by reference: `functools.partial(SimEngine, ...)`)."""
+
+    def __init__(self, factories: Mapping[str, Callable[[], Engine]], heartbeat_s: float = 0.25) -> None:
+        self.engines: dict[str, Engine] = {eid: make() for eid, make in factories.items()}
+        self.incarnation: Counter[str] = Counter()  # bumped at every start of an engine
+        self.heartbeat_s = heartbeat_s
+        self._streams: dict[tuple[str, str], int] = {}  # (engine id, request id) -> stream id
+        self._events: list[StreamEvent] = []
+        self._wake: asyncio.Event | None = None
+        self._staged: dict[str, tuple[int, StagedWeights]] = {}  # target -> (version, staged file)
+        self._stage_lock: asyncio.Lock | None = None
+        remove_orphan_staging()
+
+    def _event(self) -> asyncio.Event:
+        if self._wake is None:
+            self._wake = asyncio.Event()
+        return self._wake
+
+    def _push(self, event: StreamEvent) -> None:
+        self._events.append(event)
+        self._event().set()
+
+    async def info(self) -> dict[str, Any]:
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return {"pid": os.getpid(), "node_id": ctx.get_node_id(), "ip": ray.util.get_node_ip_address()}
+
+    async def start_engine(self, engine_id: str) -> tuple[int, EngineLoad]:
+        engine = self.engines[engine_id]
+        if self.incarnation[engine_id] == 0 or engine.load().state == EngineState.DEAD:
+            await engine.start()
+        self.incarnation[engine_id] += 1
+        return self.incarnation[engine_id], engine.load()
+
+    async def describe(self, engine_id: str) -> EngineDescription:
+        return self.engines[engine_id].describe()
+
+    async def add(self, engine_id: str, stream_id: int, request: EngineRequest) -> None:
+        key = (engine_id, request.request_id)
+        try:
+            deltas = self.engines[engine_id].add(request)
+        except Exception as exc:
+            self._push(StreamEvent(stream_id, EventKind.ERROR, error=f"{type(exc).__name__}: {exc}"))
+            return
+        self._streams[key] = stream_id
+        asyncio.get_running_loop().create_task(self._forward(key, stream_id, deltas))
+
+    async def _forward(self, key: tuple[str, str], stream_id: int, deltas: AsyncIterator[TokenDelta]) -> None:
+        # Consume to the end even after an abort (the engine ends the stream);
+        # what follows an abort is dropped: the server took the partial.
+        try:
+            async for d in deltas:
+                if self._streams.get(key) == stream_id:
+                    self._push(StreamEvent(stream_id, EventKind.DELTA, delta=d))
+        except Exception as exc:
+            if self._streams.get(key) == stream_id:
+                self._push(StreamEvent(stream_id, EventKind.ERROR, error=f"{type(exc).__name__}: {exc}"))
+        else:
+            if self._streams.get(key) == stream_id:
+                self._push(StreamEvent(stream_id, EventKind.END))
+        finally:
+            if self._streams.get(key) == stream_id:
+                del self._streams[key]
+
+    async def abort(self, engine_id: str, request_id: str) -> tuple[list[int], list[float], list[int]]:
+        self._streams.pop((engine_id, request_id), None)
+        p = await self.engines[engine_id].abort(request_id)
+        return p.token_ids, p.logprobs, p.versions
+
+    async def events(self):
+        """The actor's one stream of `EventBatch`es: a batch as soon as there
+        is news, else every `heartbeat_s` (load snapshots)."""
+        wake = self._event()
+        while True:
+            try:
+                await asyncio.wait_for(wake.wait(), self.heartbeat_s)
+            except asyncio.TimeoutError:
+                pass
+            wake.clear()
+            events, self._events = self._events, []
+            loads = {eid: (self.incarnation[eid], e.load()) for eid, e in self.engines.items()}
+            spec = {eid: e.speculation.monitor.to_snapshot()
+                    for eid, e in self.engines.items() if e.speculation is not None}
+            yield EventBatch(loads, events, spec)
+
+    async def _stage(self, target: str, version: int, payload: list) -> tuple[StagedWeights, float]:
+        """One staged file per actor and version, shared by its engines."""
+        if self._stage_lock is None:
+            self._stage_lock = asyncio.Lock()
+        async with self._stage_lock:
+            known = self._staged.get(target)
+            if known is not None and known[0] == version:
+                return known[1], 0.0
+            t0 = time.perf_counter()
+            staged = StagedWeights([WeightTensor(n, dt, tuple(shape), memoryview(a)) for n, dt, shape, a in payload],
+                                   prefix=f"{STAGING_PREFIX}{os.getpid()}-")
+            await staged.as_file()
+            staged.tensors = []  # the file has them: let the object store copy go
+            if known is not None:
+                known[1].cleanup()
+            self._staged[target] = (version, staged)
+            return staged, time.perf_counter() - t0
+
+    async def update_weights(self, engine_id: str, version: int, payload: list,
+                             target: str = "policy") -> WeightsApplied:
+        """`payload` is the pushed tensors, resolved from the object store by
+        Ray before the call runs: [(name, dtype, shape, uint8 array)].
+        `target` "draft" applies them to the engine's draft model."""
+        staged, stage_s = await self._stage(target, version, payload)
+        del payload
+        t0 = time.perf_counter()
+        engine = self.engines[engine_id]
+        if target == "policy":
+            await engine.update_weights(version, staged)
+        else:
+            await self._speculation(engine_id).update_draft_weights(version, staged)
+        return WeightsApplied(stage_s, time.perf_counter() - t0, self.incarnation[engine_id], engine.load())
+
+    def _speculation(self, engine_id: str):
+        spec = self.engines[engine_id].speculation
+        if spec is None:
+            raise RuntimeError(f"engine {engine_id} does not speculate")
+        return spec
+
+    async def set_spec_schedule(self, engine_id: str, schedule) -> None:
+        await self._speculation(engine_id).set_schedule(schedule)
+
+    async def close_engine(self, engine_id: str) -> None:
+        await self.engines[engine_id].close()
+        if all(e.load().state == EngineState.DEAD for e in self.engines.values()):
+            for _, staged in self._staged.values():
+                staged.cleanup()
+            self._staged.clear()
+
+
+def remove_orphan_staging() -> None:
+    """Staging files of actors on this node that died without closing (a
+    killed actor cannot clean up after itself)."""
+    for path in glob.glob(f"/dev/shm/{STAGING_PREFIX}*"):
+        try:
+            pid = int(os.path.basename(path)[len(STAGING_PREFIX):].split("-", 1)[0])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            try:
+                os.unlink(path)
+            except OSError as exc:
+                log.debug("orphan staging file %s: %s", path, exc)
+        except (ValueError, PermissionError):
+            pass
