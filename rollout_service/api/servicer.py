@@ -60,7 +60,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
 
     async def Submit(self, request: pb.SubmitRequest, context) -> pb.SubmitResponse:
         try:
-            specs = validation.submit_request(request, self.limits, self.tokenizer)
+            specs = await validation.submit_request_off_loop(request, self.limits, self.tokenizer)
             results = self.core.submit(specs)
         except (FieldError, TooLarge, CoreError) as exc:
             await _fail(context, exc)
