@@ -15,7 +15,7 @@ def oai(sim_service):
 
 @pytest.fixture
 def model(sim_service):
-    return sim_service._model_name
+    return sim_service.model_name
 
 
 async def test_completions_text_and_token_ids_with_n_and_logprobs(oai, model):
