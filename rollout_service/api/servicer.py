@@ -100,12 +100,16 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         return convert.status_to_pb(self.core.status(), self.model_name, spec)
 
     async def PushWeights(self, request_iterator, context) -> pb.PushWeightsResponse:
+        """Receive, verify and stage a push, then apply it (api/weights_receiver.py)."""
         t0 = time.perf_counter()
         try:
             weights = await self.weights.receive(request_iterator)
             version = await self.weights.apply(weights)
-        except (PushStalled, ApplyTimedOut) as exc:
+        except PushStalled as exc:
             log.warning("weight push abandoned: %s", exc)
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
+        except ApplyTimedOut as exc:
+            log.warning("weight push timed out on an engine: %s", exc)
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
         except ApplyFailed as exc:
             log.warning("weight push failed on an engine: %s", exc)

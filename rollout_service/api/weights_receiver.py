@@ -129,7 +129,9 @@ class WeightsReceiver:
         if weights.target == "draft":  # draft versions are not in the engines' loads; the error names the engine
             return (f"draft weights version {weights.version}: an engine {what} ({detail}); "
                     f"still serving draft version {self.spec_runtime.draft_version}")
-        behind = [e.load.engine_id for e in self.core.status().engines if e.load.policy_version != weights.version]
+        # Engines that are down get the weights when they come back: not named.
+        behind = [e.load.engine_id for e in self.core.status().engines
+                  if e.load.policy_version != weights.version and e.load.state != "dead"]
         return (f"policy weights version {weights.version}: engine(s) {', '.join(behind) or '?'} {what} "
                 f"({detail}); still serving version {self.core.policy_version}")
 
