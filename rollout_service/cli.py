@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import sys
@@ -66,9 +67,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                 print(f"cannot reach a rollout service at {args.address}: {exc}", file=sys.stderr)
                 return 1
         if args.json:
-            from google.protobuf.json_format import MessageToDict
-
-            print(json.dumps(MessageToDict(st), indent=2))
+            print(json.dumps(dataclasses.asdict(st), indent=2))
             return 0
         print(f"model {st.model}  policy version {st.policy_version}  scheduler {st.scheduler}  up {st.uptime_s:.0f}s")
         print(f"queued {st.queued_requests}  running {st.running_requests}  open groups {st.open_groups}  "
@@ -78,7 +77,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(f"{e.engine_id:<12}{e.kind:<6}{e.state:<10}{e.running:>8}{e.waiting:>8}{e.kv_usage:>7.1%}"
                   f"{e.tokens_per_s:>10.0f}{e.policy_version:>8}")
         for name, value in sorted(st.counters.items()):
-            print(f"  {name:<24}{value:>14.0f}")
+            print(f"  {name:<24}{value:>14}")
         return 0
 
     return asyncio.run(run())

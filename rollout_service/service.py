@@ -4,7 +4,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 import ssl
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -22,7 +24,7 @@ from rollout_service.config import ServiceConfig
 from rollout_service.core.clock import Clock
 from rollout_service.core.rollout import CoreLimits, RolloutCore
 from rollout_service.drafter.runtime import SpecRuntime
-from rollout_service.factory import load_tokenizer, make_engines, model_info
+from rollout_service.factory import ModelInfo, load_tokenizer, make_engines, model_info
 from rollout_service.engines.spec import SpecConfig
 from rollout_service.scheduling import make_placement
 
@@ -43,11 +45,33 @@ class RolloutService:
         self._grpc: grpc.aio.Server | None = None
         self._http: web.AppRunner | None = None
         self._health = health.aio.HealthServicer()
+        self.model_name = ""
 
     async def start(self) -> None:
+        """Build the engines and the core, then serve gRPC and HTTP. The
+        ports are bound when it returns (`grpc_port`, `http_port`)."""
         cfg = self.config
         info = model_info(cfg.engine)
         tokenizer = await asyncio.to_thread(load_tokenizer, info)
+        self.model_name = info.name
+        await self._start_core(info, tokenizer)
+        limits = ModelLimits(info.vocab_size, info.max_model_len, cfg.max_groups_per_submit)
+        auth = TokenAuth(cfg.auth.submit_tokens, cfg.auth.weights_tokens)
+        tls = _tls(cfg)
+        await self._start_grpc(limits, tokenizer, auth, tls)
+        await self._start_http(limits, tokenizer, auth, tls)
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info(
+            "serving %s on %d %s engine(s): gRPC %s:%d, HTTP %s:%d",
+            info.name, len(self.core.engines), cfg.engine.kind, cfg.host, self.grpc_port, cfg.host, self.http_port,
+        )
+
+    async def _start_core(self, info: ModelInfo, tokenizer) -> None:
+        """Engines -> core (resumed from `state_dir`'s checkpoint if there is
+        one), started; then the speculative decoding runtime if `[engine.spec]`
+        asks for it."""
+        cfg = self.config
         engines = make_engines(cfg.engine, info)
         self.core = RolloutCore(
             engines,
@@ -71,8 +95,10 @@ class RolloutService:
             self.spec_runtime = SpecRuntime(self.core, spec)
             await self.spec_runtime.start()
 
+    async def _start_grpc(self, limits: ModelLimits, tokenizer, auth: TokenAuth, tls: "_Tls | None") -> None:
+        """The RolloutService servicer, health and reflection on `grpc_port`."""
+        cfg = self.config
         max_msg = cfg.max_message_mb * 1024 * 1024
-        auth = TokenAuth(cfg.auth.submit_tokens, cfg.auth.weights_tokens)
         self._grpc = grpc.aio.server(
             interceptors=[AuthInterceptor(auth)] if auth.enabled else [],
             options=[
@@ -80,13 +106,11 @@ class RolloutService:
                 ("grpc.max_send_message_length", max_msg),
             ]
         )
-        self._model_name = info.name
-        limits = ModelLimits(info.vocab_size, info.max_model_len, cfg.max_groups_per_submit)
         servicer = RolloutServicer(
             self.core,
             limits,
             tokenizer,
-            info.name,
+            self.model_name,
             int(cfg.max_weights_gb * 1024**3),
             cfg.push_idle_timeout_s,
             self.spec_runtime,
@@ -98,34 +122,28 @@ class RolloutService:
             self._grpc,
         )
         address = f"{cfg.host}:{cfg.grpc_port}"
-        ssl_context = None
-        if cfg.tls.cert_file and cfg.tls.key_file:
-            cert, key = Path(cfg.tls.cert_file).read_bytes(), Path(cfg.tls.key_file).read_bytes()
-            self.grpc_port = self._grpc.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
-            ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-            ssl_context.load_cert_chain(cfg.tls.cert_file, cfg.tls.key_file)
+        if tls is not None:
+            self.grpc_port = self._grpc.add_secure_port(address, grpc.ssl_server_credentials([(tls.key, tls.cert)]))
         else:
             self.grpc_port = self._grpc.add_insecure_port(address)
         if self.grpc_port == 0:
             raise OSError(f"cannot bind gRPC to {cfg.host}:{cfg.grpc_port}")
         await self._grpc.start()
 
-        openai = OpenAIFrontEnd(self.core, limits, tokenizer, info.name)
+    async def _start_http(self, limits: ModelLimits, tokenizer, auth: TokenAuth, tls: "_Tls | None") -> None:
+        """The side server (health, metrics, status, OpenAI and vLLM routes)
+        on `http_port`, on a socket bound here so that port 0 resolves to
+        one known port."""
+        cfg = self.config
+        openai = OpenAIFrontEnd(self.core, limits, tokenizer, self.model_name)
         app = make_app(self.core, openai, self.spec_runtime)
         if auth.enabled:
             app.middlewares.append(http_middleware(auth))
         self._http = web.AppRunner(app, access_log=None)
         await self._http.setup()
-        site = web.TCPSite(self._http, cfg.host, cfg.http_port, ssl_context=ssl_context)
-        await site.start()
-        self.http_port = site._server.sockets[0].getsockname()[1]
-
-        for name in ("", SERVICE_NAME):
-            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info(
-            "serving %s on %d %s engine(s): gRPC %s:%d, HTTP %s:%d",
-            info.name, len(self.core.engines), cfg.engine.kind, cfg.host, self.grpc_port, cfg.host, self.http_port,
-        )
+        sock = _listen(cfg.host, cfg.http_port)
+        self.http_port = sock.getsockname()[1]
+        await web.SockSite(self._http, sock, ssl_context=tls.ssl_context() if tls is not None else None).start()
 
     async def stop(self, grace: float = 1.0) -> None:
         """Stop serving; with a `state_dir`, checkpoint unfinished work first."""
@@ -153,3 +171,31 @@ class RolloutService:
         log.info("shutting down")
         await self.stop()
 
+
+
+@dataclass(slots=True, frozen=True)
+class _Tls:
+    """The server's certificate and key (PEM), for gRPC and HTTP alike."""
+
+    cert_file: str
+    key_file: str
+    cert: bytes
+    key: bytes
+
+    def ssl_context(self) -> ssl.SSLContext:
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(self.cert_file, self.key_file)
+        return context
+
+
+def _tls(cfg: ServiceConfig) -> _Tls | None:
+    if not (cfg.tls.cert_file and cfg.tls.key_file):
+        return None
+    return _Tls(cfg.tls.cert_file, cfg.tls.key_file, Path(cfg.tls.cert_file).read_bytes(),
+                Path(cfg.tls.key_file).read_bytes())
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port (port 0: a free one)."""
+    family = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+    return socket.create_server((host, port), family=family)

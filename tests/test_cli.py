@@ -1,6 +1,7 @@
 """`rollout-service serve` as a user runs it: health check and `status`."""
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -41,6 +42,11 @@ def test_serve_answers_health_check_and_status_command():
         out = subprocess.run(exe + ["status", "--address", f"127.0.0.1:{grpc_port}"], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         assert "sim-0" in out.stdout and "sim-1" in out.stdout and "policy version 0" in out.stdout
+        out = subprocess.run(exe + ["status", "--json", "--address", f"127.0.0.1:{grpc_port}"], capture_output=True,
+                             text=True, timeout=60)
+        status = json.loads(out.stdout)
+        assert status["policy_version"] == 0 and [e["engine_id"] for e in status["engines"]] == ["sim-0", "sim-1"]
+        assert status["spec"] is None and isinstance(status["counters"], dict)
         with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/readyz", timeout=5) as r:
             assert r.status == 200
         channel.close()

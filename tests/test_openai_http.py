@@ -15,7 +15,7 @@ def oai(sim_service):
 
 @pytest.fixture
 def model(sim_service):
-    return sim_service._model_name
+    return sim_service.model_name
 
 
 async def test_completions_text_and_token_ids_with_n_and_logprobs(oai, model):
@@ -92,3 +92,21 @@ async def test_text_prompts_are_tokenized_like_the_task(sim_service):
 
     text = "add 12+3\nsort 5 3\n"
     assert sim_service.core.detokenizer.encode(text, add_special_tokens=False) == encode(text)
+
+
+async def test_a_private_group_reports_typed_delta_and_sample_events(sim_service):
+    from rollout_service.engines.types import SamplingParams
+    from rollout_service.lifecycle.types import DeltaEvent, GroupSpec, SampleEvent
+
+    group = sim_service.core.submit_private(GroupSpec("", [1, 4, 7], 2, SamplingParams(max_tokens=12)))
+    tokens: dict[int, list[int]] = {0: [], 1: []}
+    samples = []
+    while len(samples) < 2:
+        event = await group.listener.get()
+        assert isinstance(event, (DeltaEvent, SampleEvent)), event
+        if isinstance(event, DeltaEvent):
+            tokens[event.index] += event.delta.token_ids
+        else:
+            samples.append(event.sample)
+    for s in samples:
+        assert s.response_token_ids == tokens[s.index] and 0 < len(s.response_token_ids) <= 12

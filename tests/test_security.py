@@ -128,7 +128,11 @@ def _self_signed(tmp_path):
     return str(cert_file), str(key_file)
 
 
-async def test_tls_serves_grpc(tmp_path):
+async def test_tls_serves_grpc_and_http(tmp_path):
+    import ssl
+
+    import aiohttp
+
     cert, key = _self_signed(tmp_path)
     cfg = sim_config(num_engines=1)
     cfg.tls.cert_file, cfg.tls.key_file = cert, key
@@ -137,5 +141,9 @@ async def test_tls_serves_grpc(tmp_path):
     try:
         async with RolloutClient(f"localhost:{service.grpc_port}", tls_ca_file=cert) as c:
             await _submit_ok(c)
+        trust = ssl.create_default_context(cafile=cert)
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"https://localhost:{service.http_port}/healthz", ssl=trust) as r:
+                assert r.status == 200 and (await r.json())["status"] == "ok"
     finally:
         await service.stop()

@@ -273,8 +273,13 @@ async def test_status_metrics_and_draft_pushes_over_grpc(spec_service, spec_engi
     async with aiohttp.ClientSession() as http:
         async with http.get(f"http://127.0.0.1:{spec_service.http_port}/metrics") as r:
             metrics = await r.text()
-    assert f'rollout_spec_draft_version{{engine="{spec_engine.engine_id}"}} {draft_version + 1}' in metrics
-    assert f'rollout_spec_depth{{engine="{spec_engine.engine_id}",batch="1-{MAX_SEQS}"}} {K}' in metrics
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values = {(s.name, tuple(sorted(s.labels.items()))): s.value
+              for f in text_string_to_metric_families(metrics) for s in f.samples}
+    eid = spec_engine.engine_id
+    assert values[("rollout_spec_draft_version", (("engine", eid),))] == draft_version + 1
+    assert values[("rollout_spec_depth", (("batch", f"1-{MAX_SEQS}"), ("engine", eid)))] == K
 
 
 def staged(state):

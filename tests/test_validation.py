@@ -179,3 +179,32 @@ async def test_server_survives_a_burst_of_bad_requests(client):
     results = await asyncio.gather(*bad, return_exceptions=True)
     assert all(isinstance(r, grpc.aio.AioRpcError) and r.code() == grpc.StatusCode.INVALID_ARGUMENT for r in results)
     await _valid_round_trip(client)
+
+
+async def test_many_prompt_texts_are_tokenised_off_the_event_loop():
+    import threading
+
+    from rollout_service.api import validation
+
+    class Tokenizer:
+        threads: set[int] = set()
+
+        def encode(self, text: str) -> list[int]:
+            self.threads.add(threading.get_ident())
+            return [ord(c) % 50 for c in text]
+
+        def decode(self, ids):
+            return ""
+
+    def request(n: int) -> pb.SubmitRequest:
+        return pb.SubmitRequest(groups=[pb.PromptGroup(prompt_text=f"prompt {i}", num_samples=1,
+                                                       sampling=pb.SamplingParams(max_tokens=4)) for i in range(n)])
+
+    limits = validation.ModelLimits(vocab_size=64, max_model_len=128)
+    tok = Tokenizer()
+    specs = await validation.submit_request_off_loop(request(1000), limits, tok)
+    assert len(specs) == 1000 and threading.get_ident() not in tok.threads
+    assert [s.prompt_token_ids for s in specs[:2]] == [tok.encode("prompt 0"), tok.encode("prompt 1")]
+    tok.threads.clear()
+    await validation.submit_request_off_loop(request(2), limits, tok)  # a few: inline
+    assert tok.threads == {threading.get_ident()}

@@ -23,7 +23,7 @@ async def test_server_info_world_size_and_weight_info(sim_service):
     cfg = info["vllm_config"]
     assert cfg["weight_transfer_config"] is None
     assert cfg["model_config"]["logprobs_mode"] == "processed_logprobs"
-    assert cfg["model_config"]["model"] == sim_service._model_name
+    assert cfg["model_config"]["model"] == sim_service.model_name
     assert info["rollout_service"]["policy_version"] == sim_service.core.policy_version
     assert info["rollout_service"]["checkpoint_tensors"] is None  # simulated engines take any manifest
     status, text = await _call(port, "GET", "/server_info")
@@ -99,7 +99,7 @@ async def test_trl_vllm_client_generates_unchanged(sim_service):
         return client.model, out, client.get_world_size(), client.get_server_info()
 
     model, out, world, info = await asyncio.to_thread(run)
-    assert model == sim_service._model_name and world == len(sim_service.core.engines)
+    assert model == sim_service.model_name and world == len(sim_service.core.engines)
     assert out["prompt_ids"] == [[1, 10, 11], [1, 12]]
     assert len(out["completion_ids"]) == 6
     for ids, lps, lp_ids in zip(out["completion_ids"], out["logprobs"], out["logprob_token_ids"]):

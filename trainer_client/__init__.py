@@ -6,6 +6,16 @@
 from trainer_client.client import RolloutClient
 from trainer_client.steps import StepRollout
 from trainer_client.sync import SyncRolloutClient
-from trainer_client.types import CompletedSample, PromptGroup
+from trainer_client.types import (
+    CompletedSample,
+    EngineStatus,
+    PromptGroup,
+    PushResult,
+    ServiceStatus,
+    SpecDepthBucket,
+    SpecEngineStatus,
+    SpecStatus,
+)
 
-__all__ = ["RolloutClient", "StepRollout", "SyncRolloutClient", "CompletedSample", "PromptGroup"]
+__all__ = ["RolloutClient", "StepRollout", "SyncRolloutClient", "CompletedSample", "PromptGroup", "PushResult",
+           "ServiceStatus", "EngineStatus", "SpecStatus", "SpecEngineStatus", "SpecDepthBucket"]

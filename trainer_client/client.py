@@ -11,7 +11,7 @@ import grpc
 from rollout_proto import rollout_pb2 as pb
 from rollout_proto import rollout_pb2_grpc as pb_grpc
 from trainer_client import weights as _weights
-from trainer_client.types import CompletedSample, PromptGroup
+from trainer_client.types import CompletedSample, PromptGroup, PushResult, ServiceStatus
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,17 @@ class RolloutClient:
     Streams acknowledge what the caller has consumed and, after a broken
     connection, reconnect and resume after the last sample received, so a
     consumer sees every sample once.
+
+    Args:
+        address: the service's gRPC "host:port".
+        consumer_id: names this consumer's acknowledgement cursor on the
+            service; reuse it to resume after a restart (default: a fresh one).
+        max_message_mb: largest gRPC message sent or received, in MiB.
+        reconnect_timeout_s: how long a broken sample stream keeps
+            reconnecting before the error is raised, in seconds.
+        token: bearer token for a service with `[auth]` tokens (never logged).
+        tls_ca_file: PEM file of the CA that signed the service's
+            certificate; TLS is used when it is set.
     """
 
     def __init__(
@@ -88,21 +99,34 @@ class RolloutClient:
         await self.close()
 
     async def close(self) -> None:
+        """Close the connection (the service keeps this consumer's cursor)."""
         await self._channel.close()
 
     async def wait_ready(self, timeout: float = 60.0) -> None:
-        """Wait until the server accepts connections."""
+        """Wait until the server accepts connections (`asyncio.TimeoutError`
+        after `timeout` seconds)."""
         await asyncio.wait_for(self._channel.channel_ready(), timeout)
 
     # -- generation ------------------------------------------------------------
 
     async def submit(self, groups: Iterable[PromptGroup], batch_id: str = "") -> list[str]:
         """Enqueue groups; returns their ids (server-assigned where empty).
-        Retrying with the same group ids never creates a group twice."""
+        Retrying with the same group ids never creates a group twice.
+
+        Args:
+            groups: the prompt groups (one prompt, `num_samples` completions each).
+            batch_id: a label for these groups; `abort(batch_id=...)` stops them together.
+        """
         return [gid for gid, _ in await self.submit_detailed(groups, batch_id)]
 
     async def submit_detailed(self, groups: Iterable[PromptGroup], batch_id: str = "") -> list[tuple[str, bool]]:
-        """Like submit, with whether each group was created (False: it existed)."""
+        """Like `submit`, with whether each group was created (False: it
+        existed already): a list of (group_id, created).
+
+        Args:
+            groups: the prompt groups.
+            batch_id: a label for these groups (see `submit`).
+        """
         request = pb.SubmitRequest(groups=[_group_pb(g) for g in groups], batch_id=batch_id)
         reply = await self._stub.Submit(request, metadata=self._md)
         return list(zip(reply.group_ids, reply.created))
@@ -113,7 +137,13 @@ class RolloutClient:
         A sample counts as consumed when the caller asks for the next one;
         consumed samples are acknowledged every `ack_every` (and by `ack()`).
         On a broken connection it reconnects and resumes after the last
-        cursor received."""
+        cursor received.
+
+        Args:
+            ack_every: acknowledge after this many samples consumed.
+            from_cursor: start after this cursor (default: after the last
+                sample this client received; 0 replays what is retained).
+        """
         cursor = self.last_cursor if from_cursor is None else from_cursor
         deadline = None
         while True:
@@ -144,7 +174,11 @@ class RolloutClient:
 
     async def groups(self, ack: bool = True) -> AsyncIterator[list[CompletedSample]]:
         """Complete GRPO groups (samples ordered by index), as they complete.
-        A group is acknowledged once the caller asks for the next one."""
+        A group is acknowledged once the caller asks for the next one.
+
+        Args:
+            ack: acknowledge consumed groups (False: the caller calls `ack()`).
+        """
         pending: dict[str, list[CompletedSample]] = {}
         async for sample in self.stream(ack_every=1 << 62):
             pending.setdefault(sample.group_id, []).append(sample)
@@ -158,7 +192,12 @@ class RolloutClient:
                 await self.ack(oldest - 1)
 
     async def ack(self, cursor: int | None = None) -> int:
-        """Acknowledge every sample up to `cursor` (default: all received)."""
+        """Acknowledge every sample up to `cursor` (default: all received);
+        returns the cursor acknowledged. The service may then forget them.
+
+        Args:
+            cursor: the highest cursor consumed.
+        """
         cursor = self.last_cursor if cursor is None else cursor
         if cursor <= self.acked_cursor:
             return self.acked_cursor
@@ -169,8 +208,16 @@ class RolloutClient:
     async def abort(
         self, group_ids: Iterable[str] = (), batch_id: str = "", all: bool = False, keep_partial: bool = False
     ) -> tuple[int, list[CompletedSample]]:
-        """Stop groups; with keep_partial, returns the unfinished samples with
-        the tokens generated so far (finish_reason "aborted")."""
+        """Stop groups; returns (groups aborted, partial samples). With
+        keep_partial, the partial samples are the unfinished ones with the
+        tokens generated so far (finish_reason "aborted").
+
+        Args:
+            group_ids: the groups to stop.
+            batch_id: stop every group submitted with this batch_id.
+            all: stop every group.
+            keep_partial: return the unfinished samples instead of dropping them.
+        """
         request = pb.AbortRequest(group_ids=list(group_ids), batch_id=batch_id, all=all, keep_partial=keep_partial)
         reply = await self._stub.Abort(request, metadata=self._md)
         return reply.aborted_groups, [CompletedSample.from_pb(s) for s in reply.partial_samples]
@@ -180,23 +227,43 @@ class RolloutClient:
     async def push_weights(
         self, state_dict: Mapping[str, object], version: int, chunk_mb: float = 4.0, checksums: bool = True,
         target: str = "policy",
-    ) -> pb.PushWeightsResponse:
-        """Stream a state dict (torch tensors or NumPy arrays) to the service;
-        returns when `version` serves on every engine. `target="draft"`
-        pushes draft-model weights for speculative decoding instead
-        (versioned separately; lossless whatever they are)."""
+    ) -> PushResult:
+        """Stream a state dict to the service; returns when `version` serves
+        on every engine. If an engine fails or times out applying it, the
+        call raises (UNAVAILABLE or DEADLINE_EXCEEDED) and the previous
+        version keeps serving.
+
+        Args:
+            state_dict: tensor name -> torch tensor or NumPy array.
+            version: the new policy version; must exceed the serving one.
+            chunk_mb: size of each streamed message, in MiB.
+            checksums: send each tensor's sha256, verified by the service.
+            target: "policy", or "draft" for draft-model weights for
+                speculative decoding (versioned separately; lossless
+                whatever they are).
+        """
         tensors = await asyncio.to_thread(_weights.flatten, state_dict)
         specs = await asyncio.to_thread(_weights.manifest, tensors, checksums)
         header = pb.WeightsHeader(version=version, tensors=specs, target=target)
         chunks = _weights.chunks(header, tensors, int(chunk_mb * 1024 * 1024))
-        return await self._stub.PushWeights(chunks, metadata=self._md)
+        return PushResult.from_pb(await self._stub.PushWeights(chunks, metadata=self._md), target)
 
-    async def push_weights_file(self, path: str, version: int, target: str = "policy") -> pb.PushWeightsResponse:
-        """Same-host fast path: the server reads a safetensors file directly."""
+    async def push_weights_file(self, path: str, version: int, target: str = "policy") -> PushResult:
+        """Same-host fast path: the service reads a safetensors file itself;
+        returns when `version` serves on every engine (as `push_weights`).
+
+        Args:
+            path: the file's path on the service's host.
+            version: the new version; must exceed the serving one.
+            target: "policy" or "draft" (see `push_weights`).
+        """
         header = pb.WeightsHeader(version=version, file_path=path, target=target)
-        return await self._stub.PushWeights(iter([pb.WeightsChunk(header=header)]), metadata=self._md)
+        reply = await self._stub.PushWeights(iter([pb.WeightsChunk(header=header)]), metadata=self._md)
+        return PushResult.from_pb(reply, target)
 
     # -- status ----------------------------------------------------------------------
 
-    async def status(self) -> pb.StatusResponse:
-        return await self._stub.GetStatus(pb.StatusRequest(), metadata=self._md)
+    async def status(self) -> ServiceStatus:
+        """A snapshot of the service: serving policy version, engines,
+        queues, counters and speculative decoding state."""
+        return ServiceStatus.from_pb(await self._stub.GetStatus(pb.StatusRequest(), metadata=self._md))

@@ -2,14 +2,46 @@
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
 import threading
 from typing import Iterator
 
 from trainer_client.client import RolloutClient
 
 
+def _blocking(method):
+    """`method` of RolloutClient as a blocking call: same signature, same
+    docstring, run on the client's event-loop thread."""
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        return self._call(method(self._client, *args, **kwargs))
+
+    return call
+
+
+def _blocking_iter(method):
+    """An async-iterator method of RolloutClient as a plain iterator: same
+    parameters and docstring; returns `Iterator[...]` instead of
+    `AsyncIterator[...]`."""
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        return self._iterate(method(self._client, *args, **kwargs))
+
+    sig = inspect.signature(method)
+    returns = sig.return_annotation
+    if isinstance(returns, str):  # postponed annotations (from __future__ import annotations)
+        returns = returns.replace("AsyncIterator", "Iterator")
+    call.__signature__ = sig.replace(return_annotation=returns)
+    return call
+
+
 class SyncRolloutClient:
     """Blocking wrapper: the async client runs on a private event-loop thread.
+    Every method has `RolloutClient`'s signature and docstring, and returns
+    the same values (iterators instead of async iterators).
 
     Usage::
 
@@ -21,6 +53,7 @@ class SyncRolloutClient:
         client.close()
     """
 
+    @functools.wraps(RolloutClient.__init__)
     def __init__(self, *args, **kwargs) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="rollout-client", daemon=True)
@@ -29,7 +62,7 @@ class SyncRolloutClient:
 
     @staticmethod
     async def _make(*args, **kwargs) -> RolloutClient:
-        return RolloutClient(*args, **kwargs)
+        return RolloutClient(*args, **kwargs)  # the channel binds to the running (private) loop
 
     def _call(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
@@ -44,38 +77,39 @@ class SyncRolloutClient:
         finally:
             self._call(agen.aclose())
 
+    def __enter__(self) -> "SyncRolloutClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     @property
     def consumer_id(self) -> str:
         return self._client.consumer_id
 
-    def wait_ready(self, timeout: float = 60.0) -> None:
-        self._call(self._client.wait_ready(timeout))
+    @property
+    def last_cursor(self) -> int:
+        """Highest cursor received."""
+        return self._client.last_cursor
 
-    def submit(self, groups, batch_id: str = "") -> list[str]:
-        return self._call(self._client.submit(groups, batch_id))
+    @property
+    def acked_cursor(self) -> int:
+        """Highest cursor acknowledged."""
+        return self._client.acked_cursor
 
-    def stream(self, **kwargs) -> Iterator:
-        return self._iterate(self._client.stream(**kwargs))
-
-    def groups(self, **kwargs) -> Iterator:
-        return self._iterate(self._client.groups(**kwargs))
-
-    def ack(self, cursor: int | None = None) -> int:
-        return self._call(self._client.ack(cursor))
-
-    def abort(self, *args, **kwargs):
-        return self._call(self._client.abort(*args, **kwargs))
-
-    def push_weights(self, state_dict, version: int, **kwargs):
-        return self._call(self._client.push_weights(state_dict, version, **kwargs))
-
-    def push_weights_file(self, path: str, version: int, target: str = "policy"):
-        return self._call(self._client.push_weights_file(path, version, target))
-
-    def status(self):
-        return self._call(self._client.status())
+    wait_ready = _blocking(RolloutClient.wait_ready)
+    submit = _blocking(RolloutClient.submit)
+    submit_detailed = _blocking(RolloutClient.submit_detailed)
+    stream = _blocking_iter(RolloutClient.stream)
+    groups = _blocking_iter(RolloutClient.groups)
+    ack = _blocking(RolloutClient.ack)
+    abort = _blocking(RolloutClient.abort)
+    push_weights = _blocking(RolloutClient.push_weights)
+    push_weights_file = _blocking(RolloutClient.push_weights_file)
+    status = _blocking(RolloutClient.status)
 
     def close(self) -> None:
+        """Close the connection and stop the client's event-loop thread."""
         self._call(self._client.close())
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)

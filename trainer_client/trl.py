@@ -152,11 +152,11 @@ class RolloutServiceVLLMClient(VLLMClient):
         state = self._select(tensors)
         serving = self._rollout.status().policy_version
         version = max(self.policy_version, serving) + 1
-        reply = self._rollout.push_weights(state, version=version)
-        self.policy_version = reply.applied_version
+        pushed = self._rollout.push_weights(state, version=version)
+        self.policy_version = pushed.applied_version
         self.pushes += 1
         log.info("pushed %d tensors (%.1f MB) as policy version %d in %.2f s", len(state),
-                 reply.bytes_received / 1e6, reply.applied_version, reply.seconds)
+                 pushed.bytes_received / 1e6, pushed.applied_version, pushed.seconds)
 
 
 @contextlib.contextmanager

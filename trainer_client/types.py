@@ -102,3 +102,153 @@ class PromptGroup:
     group_id: str = ""
     prompt_id: str = ""
     metadata: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class PushResult:
+    """What a weight push did: the version now serving (on every engine),
+    the tensor bytes the service received (streamed, or read from the file
+    for `push_weights_file`) and the seconds from the header reaching the
+    service to the version being live."""
+
+    applied_version: int
+    bytes_received: int
+    seconds: float
+    target: str = "policy"  # "policy" or "draft"
+
+    @classmethod
+    def from_pb(cls, reply, target: str = "policy") -> "PushResult":
+        return cls(applied_version=reply.applied_version, bytes_received=reply.bytes_received,
+                   seconds=reply.seconds, target=target)
+
+
+@dataclass(slots=True)
+class EngineStatus:
+    """One engine: its state ("starting", "ready", "updating", "dead"), the
+    requests running and waiting on it, the fraction of its KV cache in use
+    ([0, 1]), its recent tokens/s, the policy version of its weights and
+    how many requests the service has placed on it."""
+
+    engine_id: str
+    kind: str  # "sim", "vllm"
+    state: str
+    running: int
+    waiting: int
+    kv_usage: float
+    tokens_per_s: float
+    policy_version: int
+    assigned: int
+
+    @classmethod
+    def from_pb(cls, e) -> "EngineStatus":
+        return cls(engine_id=e.engine_id, kind=e.kind, state=e.state, running=e.running, waiting=e.waiting,
+                   kv_usage=e.kv_usage, tokens_per_s=e.tokens_per_s, policy_version=e.policy_version,
+                   assigned=e.assigned)
+
+
+@dataclass(slots=True)
+class SpecDepthBucket:
+    """Speculative depth for running batches of `min_batch`..`max_batch`
+    sequences: the depth in force, the depth tuner's greedy choice, and its
+    measurements per depth k (accepted tokens/s per sequence; engine steps
+    observed)."""
+
+    min_batch: int
+    max_batch: int
+    num_speculative_tokens: int
+    best_k: int
+    tokens_per_s_per_seq: dict[int, float] = field(default_factory=dict)
+    observations: dict[int, int] = field(default_factory=dict)
+
+    @classmethod
+    def from_pb(cls, b) -> "SpecDepthBucket":
+        return cls(min_batch=b.min_batch, max_batch=b.max_batch, num_speculative_tokens=b.num_speculative_tokens,
+                   best_k=b.best_k, tokens_per_s_per_seq=dict(b.tokens_per_s_per_seq),
+                   observations=dict(b.observations))
+
+
+@dataclass(slots=True)
+class SpecEngineStatus:
+    """Speculative decoding on one engine: method, maximum depth, the draft
+    weights' version, engine steps, tokens drafted and accepted, tokens per
+    verify step (bonus included), acceptance by draft position, the depth
+    buckets and the depth tuner's decision counts."""
+
+    engine_id: str
+    method: str  # "draft_model", "ngram", "siblings"
+    max_k: int
+    draft_version: int
+    steps: int
+    draft_tokens: int
+    accepted_tokens: int
+    mean_acceptance_length: float
+    acceptance_by_position: list[float] = field(default_factory=list)
+    buckets: list[SpecDepthBucket] = field(default_factory=list)
+    tuner_decisions: int = 0
+    tuner_explorations: int = 0
+
+    @classmethod
+    def from_pb(cls, e) -> "SpecEngineStatus":
+        return cls(engine_id=e.engine_id, method=e.method, max_k=e.max_k, draft_version=e.draft_version,
+                   steps=e.steps, draft_tokens=e.draft_tokens, accepted_tokens=e.accepted_tokens,
+                   mean_acceptance_length=e.mean_acceptance_length,
+                   acceptance_by_position=list(e.acceptance_by_position),
+                   buckets=[SpecDepthBucket.from_pb(b) for b in e.buckets],
+                   tuner_decisions=e.tuner_decisions, tuner_explorations=e.tuner_explorations)
+
+
+@dataclass(slots=True)
+class SpecStatus:
+    """Speculative decoding on the service: the method, whether the depth
+    tuner (`tune`) and the online drafter trainer (`train`) run, the draft
+    version, the policy version the drafter was last trained on, trainer
+    rounds, and the engines that speculate."""
+
+    method: str
+    tune: bool
+    train: bool
+    draft_version: int
+    trained_on_policy_version: int
+    trainer_rounds: int
+    engines: list[SpecEngineStatus] = field(default_factory=list)
+
+    @classmethod
+    def from_pb(cls, s) -> "SpecStatus":
+        return cls(method=s.method, tune=s.tune, train=s.train, draft_version=s.draft_version,
+                   trained_on_policy_version=s.trained_on_policy_version, trainer_rounds=s.trainer_rounds,
+                   engines=[SpecEngineStatus.from_pb(e) for e in s.engines])
+
+
+@dataclass(slots=True)
+class ServiceStatus:
+    """A snapshot of the service. Requests are samples: `queued_requests`
+    wait for an engine, `running_requests` run on one; `open_groups` are
+    submitted groups not yet complete; `last_cursor` is the cursor of the
+    last sample delivered; `retained_samples` are kept for consumers that
+    have not acknowledged them. `counters` by name (samples_completed,
+    tokens_generated, ...); `uptime_s` in seconds; `spec` is None when the
+    engines do not speculate."""
+
+    policy_version: int
+    model: str
+    scheduler: str
+    engines: list[EngineStatus]
+    queued_requests: int
+    running_requests: int
+    open_groups: int
+    last_cursor: int
+    retained_samples: int
+    uptime_s: float
+    counters: dict[str, int] = field(default_factory=dict)
+    spec: SpecStatus | None = None
+
+    @classmethod
+    def from_pb(cls, st) -> "ServiceStatus":
+        return cls(
+            policy_version=st.policy_version, model=st.model, scheduler=st.scheduler,
+            engines=[EngineStatus.from_pb(e) for e in st.engines], queued_requests=st.queued_requests,
+            running_requests=st.running_requests, open_groups=st.open_groups, last_cursor=st.last_cursor,
+            retained_samples=st.retained_samples, uptime_s=st.uptime_s,
+            counters={k: round(v) for k, v in st.counters.items()},  # whole counts, sent as doubles
+            spec=SpecStatus.from_pb(st.spec) if st.HasField("spec") else None,
+        )

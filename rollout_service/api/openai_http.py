@@ -23,9 +23,10 @@ from aiohttp import web
 from rollout_service.api.validation import ModelLimits
 from rollout_service.core.rollout import CoreError, RolloutCore
 from rollout_service.engines.types import FinishReason, SamplingParams
-from rollout_service.lifecycle.types import GroupSpec, Sample
+from rollout_service.lifecycle.types import DeltaEvent, GroupSpec, Sample, SampleEvent
 
-_FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORTED: "abort"}
+# FinishReason -> OpenAI's finish_reason.
+FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORTED: "abort"}
 # Sampling settings the engines do not implement: accepted at their neutral value only.
 _NEUTRAL = {"min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
             "structured_outputs": None, "prompt_logprobs": None}
@@ -37,7 +38,9 @@ class BadRequest(ValueError):
         self.param = param
 
 
-def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> web.Response:
+def error_response(status: int, message: str, param: str | None = None,
+                   kind: str = "invalid_request_error") -> web.Response:
+    """An OpenAI-shaped JSON error: `param` names the offending field."""
     return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": None}}, status=status)
 
 
@@ -72,7 +75,9 @@ class OpenAIFrontEnd:
 
     # -- request parsing ---------------------------------------------------------
 
-    async def _body(self, request: web.Request) -> dict:
+    async def parse_body(self, request: web.Request) -> dict:
+        """The request's JSON object; BadRequest when it is not one, or names
+        another model than the one served."""
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
@@ -89,7 +94,9 @@ class OpenAIFrontEnd:
             raise BadRequest("prompt", "this server has no tokenizer; send token ids")
         return list(self.tokenizer.encode(text))
 
-    def _prompt_ids(self, prompt) -> list[int]:
+    def prompt_ids(self, prompt) -> list[int]:
+        """One prompt (text, or token ids checked against the vocabulary) as
+        token ids, shorter than max_model_len; BadRequest naming `prompt`."""
         if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
@@ -112,8 +119,8 @@ class OpenAIFrontEnd:
         if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
             if len(prompt) > self.limits.max_groups_per_submit:
                 raise BadRequest("prompt", f"{len(prompt)} prompts; at most {self.limits.max_groups_per_submit}")
-            return [self._prompt_ids(p) for p in prompt]
-        return [self._prompt_ids(prompt)]
+            return [self.prompt_ids(p) for p in prompt]
+        return [self.prompt_ids(prompt)]
 
     def _chat_prompt(self, messages) -> list[int]:
         if not isinstance(messages, list) or not messages:
@@ -124,11 +131,14 @@ class OpenAIFrontEnd:
         tok = self.tokenizer
         if tok is not None and getattr(tok, "chat_template", None):
             ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            return self._prompt_ids(list(ids))
+            return self.prompt_ids(list(ids))
         # No chat template (e.g. the tiny reasoner): the conversation's text, in order.
-        return self._prompt_ids("".join(m["content"] for m in messages))
+        return self.prompt_ids("".join(m["content"] for m in messages))
 
-    def _spec(self, body: dict, prompt: list[int]) -> tuple[GroupSpec, bool]:
+    def group_spec(self, body: dict, prompt: list[int]) -> tuple[GroupSpec, bool]:
+        """A private group for `prompt` from the request's sampling fields
+        (`n`, `max_tokens`, `temperature`, ...), and whether logprobs are
+        wanted; BadRequest naming the field."""
         budget = self.limits.max_model_len - len(prompt)
         n = _number(body, "n", 1, 1, 128, integer=True)
         max_tokens = _number(body, "max_tokens", min(256, budget), 1, budget, integer=True)
@@ -164,14 +174,14 @@ class OpenAIFrontEnd:
 
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         try:
-            body = await self._body(request)
+            body = await self.parse_body(request)
             if chat:
                 prompts = [self._chat_prompt(body.get("messages"))]
             else:
                 if "prompt" not in body:
                     raise BadRequest("prompt", "is required")
                 prompts = self._prompt_batch(body["prompt"])
-            specs = [self._spec(body, p) for p in prompts]
+            specs = [self.group_spec(body, p) for p in prompts]
             want_logprobs = specs[0][1]
             stream = body.get("stream", False)
             if not isinstance(stream, bool):
@@ -179,7 +189,7 @@ class OpenAIFrontEnd:
             if stream and len(prompts) > 1:
                 raise BadRequest("stream", "streams one prompt per request")
         except BadRequest as exc:
-            return _error(400, str(exc), exc.param)
+            return error_response(400, str(exc), exc.param)
         groups = []
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
@@ -188,7 +198,7 @@ class OpenAIFrontEnd:
                 for spec, _ in specs:
                     groups.append(self.core.submit_private(spec))
             except CoreError as exc:
-                return _error(429 if exc.code == "exhausted" else 400, str(exc), kind="server_overloaded")
+                return error_response(429 if exc.code == "exhausted" else 400, str(exc), kind="server_overloaded")
             if stream:
                 return await self._stream(request, groups[0], rid, created, chat, want_logprobs)
             results = await asyncio.gather(*(self.collect(g) for g in groups))
@@ -216,9 +226,9 @@ class OpenAIFrontEnd:
         """Every sample of a group from `core.submit_private`, in index order."""
         samples: list[Sample] = []
         while len(samples) < group.spec.num_samples:
-            kind, *rest = await group.listener.get()
-            if kind == "sample":
-                samples.append(rest[0])
+            event = await group.listener.get()
+            if isinstance(event, SampleEvent):
+                samples.append(event.sample)
         return sorted(samples, key=lambda s: s.index)
 
     def _text(self, ids: list[int]) -> str:
@@ -238,7 +248,7 @@ class OpenAIFrontEnd:
         text = self._text(s.response_token_ids)
         choice = {
             "index": s.index if index is None else index,
-            "finish_reason": _FINISH.get(s.finish_reason, "stop"),
+            "finish_reason": FINISH_REASONS.get(s.finish_reason, "stop"),
             "logprobs": self._logprobs(s.response_token_ids, s.logprobs, chat, ids_only) if want_logprobs else None,
             "token_ids": s.response_token_ids,
             "policy_versions": [{"version": v, "start": a, "length": n} for v, a, n in s.versions.segments],
@@ -266,9 +276,9 @@ class OpenAIFrontEnd:
                 await send({"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}, self.core.policy_version)
         done = 0
         while done < group.spec.num_samples:
-            kind, *rest = await group.listener.get()
-            if kind == "delta":
-                index, delta = rest
+            event = await group.listener.get()
+            if isinstance(event, DeltaEvent):
+                index, delta = event.index, event.delta
                 if not delta.token_ids:
                     continue
                 text = self._text(delta.token_ids)
@@ -279,10 +289,10 @@ class OpenAIFrontEnd:
                 else:
                     choice["text"] = text
                 await send(choice, delta.version)
-            else:
-                s = rest[0]
+            elif isinstance(event, SampleEvent):
+                s = event.sample
                 done += 1
-                final = {"index": s.index, "finish_reason": _FINISH.get(s.finish_reason, "stop"), "logprobs": None}
+                final = {"index": s.index, "finish_reason": FINISH_REASONS.get(s.finish_reason, "stop"), "logprobs": None}
                 if chat:
                     final["delta"] = {}
                 else:

@@ -2,7 +2,6 @@
 it never decides where anything runs."""
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -14,15 +13,9 @@ from rollout_proto import rollout_pb2_grpc as pb_grpc
 from rollout_service.api import convert, validation
 from rollout_service.api.validation import FieldError, ModelLimits, TooLarge
 from rollout_service.core.rollout import CoreError, RolloutCore
-from rollout_service.engines.weights import (
-    ManifestError,
-    StagedWeights,
-    TensorSpec,
-    check_manifest,
-    read_safetensors,
-    split_and_verify,
-)
-from rollout_service.engines.base import EngineError, WeightsRejected
+from rollout_service.api.weights_receiver import ApplyFailed, ApplyTimedOut, PushStalled, WeightsReceiver
+from rollout_service.engines.base import WeightsRejected
+from rollout_service.engines.weights import ManifestError
 
 if TYPE_CHECKING:
     from rollout_service.drafter.runtime import SpecRuntime
@@ -62,13 +55,12 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         self.limits = limits
         self.tokenizer = tokenizer
         self.model_name = model_name
-        self.max_weights_bytes = max_weights_bytes
-        self.push_idle_timeout_s = push_idle_timeout_s
         self.spec_runtime = spec_runtime
+        self.weights = WeightsReceiver(core, max_weights_bytes, push_idle_timeout_s, spec_runtime)
 
     async def Submit(self, request: pb.SubmitRequest, context) -> pb.SubmitResponse:
         try:
-            specs = validation.submit_request(request, self.limits, self.tokenizer)
+            specs = await validation.submit_request_off_loop(request, self.limits, self.tokenizer)
             results = self.core.submit(specs)
         except (FieldError, TooLarge, CoreError) as exc:
             await _fail(context, exc)
@@ -108,91 +100,22 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         return convert.status_to_pb(self.core.status(), self.model_name, spec)
 
     async def PushWeights(self, request_iterator, context) -> pb.PushWeightsResponse:
+        """Receive, verify and stage a push, then apply it (api/weights_receiver.py)."""
         t0 = time.perf_counter()
-        received = 0
         try:
-            first = await anext(aiter(request_iterator), None)
-            if first is None or first.WhichOneof("kind") != "header":
-                raise FieldError("header", "the first message of PushWeights must be a WeightsHeader")
-            header = first.header
-            if header.target not in ("", "policy", "draft"):
-                raise FieldError("header.target", f"must be 'policy' or 'draft', got {header.target!r}")
-            draft = header.target == "draft"
-            if draft and self.spec_runtime is None:
-                raise FieldError("header.target", "'draft': the engines do not speculate (engine.spec is off)")
-            check = self.spec_runtime.check_draft_weights if draft else self.core.check_weights
-            if header.file_path:
-                specs, buffer = await asyncio.to_thread(read_safetensors, header.file_path)
-                if header.tensors:
-                    specs = _match_file_manifest(convert.tensor_specs(header), specs)
-                check_manifest(specs, self.max_weights_bytes)
-                check(header.version, {s.name: (s.dtype, s.shape) for s in specs})
-                received = len(buffer)
-            else:
-                specs = convert.tensor_specs(header)
-                total = check_manifest(specs, self.max_weights_bytes)
-                check(header.version, {s.name: (s.dtype, s.shape) for s in specs})
-                buffer = bytearray(total)
-                async for msg in _with_idle_timeout(request_iterator, self.push_idle_timeout_s):
-                    if msg.WhichOneof("kind") != "data":
-                        raise FieldError("header", "only one WeightsHeader may be sent, at the start")
-                    n = len(msg.data)
-                    if received + n > total:
-                        raise FieldError("data", f"the stream carries more than the manifest's {total} bytes")
-                    buffer[received : received + n] = msg.data
-                    received += n
-                if received != total:
-                    raise FieldError("data", f"the stream ended after {received} of the manifest's {total} bytes")
-                buffer = memoryview(buffer)
-            tensors = await asyncio.to_thread(split_and_verify, specs, buffer)
-            staged = StagedWeights(tensors, source_path=header.file_path or None)
-            if draft:
-                version = await self.spec_runtime.push_draft_weights(header.version, staged)
-            else:
-                version = await self.core.update_weights(header.version, staged)
-        except EngineError as exc:
-            log.warning("draft weight push failed on an engine: %s", exc)
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            weights = await self.weights.receive(request_iterator)
+            version = await self.weights.apply(weights)
         except PushStalled as exc:
             log.warning("weight push abandoned: %s", exc)
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
-        except (FieldError, ManifestError, WeightsRejected, CoreError, OSError) as exc:
-            if isinstance(exc, OSError):
-                exc = FieldError("header.file_path", f"cannot read {exc.filename!r}: {exc.strerror}")
+        except ApplyTimedOut as exc:
+            log.warning("weight push timed out on an engine: %s", exc)
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
+        except ApplyFailed as exc:
+            log.warning("weight push failed on an engine: %s", exc)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except (FieldError, ManifestError, WeightsRejected, CoreError) as exc:
             log.warning("weight push rejected: %s", exc)
             await _fail(context, exc)
-        return pb.PushWeightsResponse(applied_version=version, bytes_received=received, seconds=time.perf_counter() - t0)
-
-
-class PushStalled(Exception):
-    pass
-
-
-async def _with_idle_timeout(iterator, timeout_s: float):
-    """The stream's messages; PushStalled when the sender goes quiet for
-    longer than `timeout_s` (a stalled trainer must not hold a push forever)."""
-    it = aiter(iterator)
-    while True:
-        try:
-            msg = await asyncio.wait_for(anext(it), timeout_s)
-        except StopAsyncIteration:
-            return
-        except asyncio.TimeoutError:
-            raise PushStalled(f"no data for {timeout_s:g} s: push abandoned, the serving version is unchanged") from None
-        yield msg
-
-
-def _match_file_manifest(sent: list[TensorSpec], found: list[TensorSpec]) -> list[TensorSpec]:
-    """Check a sent manifest against a file's; returns the file's specs (in
-    file order) carrying the sent checksums."""
-    by_name = {s.name: s for s in found}
-    for i, s in enumerate(sent):
-        f = by_name.get(s.name)
-        if f is None:
-            raise ManifestError(f"header.tensors[{i}].name", f"{s.name!r} is not in the file")
-        if (f.dtype, f.shape) != (s.dtype, s.shape):
-            raise ManifestError(f"header.tensors[{i}].shape", f"{s.name!r} is {f.dtype}{list(f.shape)} in the file")
-    if len(sent) != len(found):
-        raise ManifestError("header.tensors", f"the file holds {len(found)} tensors, the manifest lists {len(sent)}")
-    sums = {s.name: s.sha256 for s in sent}
-    return [TensorSpec(f.name, f.dtype, f.shape, f.byte_length, sums[f.name]) for f in found]
+        return pb.PushWeightsResponse(applied_version=version, bytes_received=weights.bytes_received,
+                                      seconds=time.perf_counter() - t0)

@@ -4,6 +4,7 @@ field and its allowed range); an oversized request raises `TooLarge`
 (-> RESOURCE_EXHAUSTED)."""
 from __future__ import annotations
 
+import asyncio
 import math
 from dataclasses import dataclass
 from typing import Protocol
@@ -15,6 +16,9 @@ from rollout_service.lifecycle.types import GroupSpec
 MAX_NUM_SAMPLES = 1024
 MAX_ID_CHARS = 256
 MAX_METADATA_BYTES = 65_536
+# A Submit with more prompt texts than this is validated in a worker thread:
+# tokenising up to max_groups_per_submit texts would block the event loop.
+INLINE_PROMPT_TEXTS = 8
 
 
 class FieldError(ValueError):
@@ -129,6 +133,17 @@ def submit_request(req: pb.SubmitRequest, limits: ModelLimits, tokenizer: Tokeni
     if total > limits.max_samples_per_submit:
         raise TooLarge(f"groups: {total} samples exceed the limit of {limits.max_samples_per_submit} per Submit")
     return specs
+
+
+async def submit_request_off_loop(req: pb.SubmitRequest, limits: ModelLimits,
+                                  tokenizer: Tokenizer | None) -> list[GroupSpec]:
+    """`submit_request`, in a worker thread when the request carries more
+    than INLINE_PROMPT_TEXTS prompt texts to tokenise (a few run inline:
+    a thread hop costs more than they do)."""
+    texts = sum(1 for g in req.groups if g.prompt_text) if tokenizer is not None else 0
+    if texts > INLINE_PROMPT_TEXTS and len(req.groups) <= limits.max_groups_per_submit:
+        return await asyncio.to_thread(submit_request, req, limits, tokenizer)
+    return submit_request(req, limits, tokenizer)
 
 
 def consumer_id(field: str, value: str) -> str:

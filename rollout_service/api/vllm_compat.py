@@ -33,7 +33,7 @@ import uuid
 
 from aiohttp import web
 
-from rollout_service.api.openai_http import _FINISH, BadRequest, OpenAIFrontEnd, _error
+from rollout_service.api.openai_http import FINISH_REASONS, BadRequest, OpenAIFrontEnd, error_response
 from rollout_service.core.rollout import CoreError, RolloutCore
 from rollout_service.lifecycle.types import Sample
 
@@ -137,14 +137,14 @@ class VllmCompat:
         return web.json_response({"success": True})
 
     async def weight_transfer(self, request: web.Request) -> web.Response:
-        return _error(501, f"{request.path}: {NO_NCCL}", kind="not_implemented")
+        return error_response(501, f"{request.path}: {NO_NCCL}", kind="not_implemented")
 
     # -- tokens in, tokens out -------------------------------------------------------
 
     async def generate(self, request: web.Request) -> web.Response:
         front = self.front
         try:
-            body = await front._body(request)
+            body = await front.parse_body(request)
             if body.get("features") is not None or body.get("content_parts") is not None:
                 raise BadRequest("features", "multimodal inputs are not supported by this server")
             if body.get("stream"):
@@ -153,22 +153,22 @@ class VllmCompat:
             if not isinstance(ids, list):
                 raise BadRequest("token_ids", "must be a list of token ids")
             try:
-                prompt = front._prompt_ids(ids)
+                prompt = front.prompt_ids(ids)
             except BadRequest as exc:
                 raise _renamed(exc, "token_ids") from None
             sampling = body.get("sampling_params") or {}
             if not isinstance(sampling, dict):
                 raise BadRequest("sampling_params", "must be an object")
             try:
-                spec, want_logprobs = front._spec(sampling, prompt)
+                spec, want_logprobs = front.group_spec(sampling, prompt)
             except BadRequest as exc:
                 raise _renamed(exc, f"sampling_params.{exc.param}") from None
         except BadRequest as exc:
-            return _error(400, str(exc), exc.param)
+            return error_response(400, str(exc), exc.param)
         try:
             group = self.core.submit_private(spec)
         except CoreError as exc:
-            return _error(429 if exc.code == "exhausted" else 400, str(exc), kind="server_overloaded")
+            return error_response(429 if exc.code == "exhausted" else 400, str(exc), kind="server_overloaded")
         try:
             samples = await front.collect(group)
         finally:
@@ -201,7 +201,7 @@ class VllmCompat:
                 content.append({**entry, "top_logprobs": [dict(entry)]})
         return {
             "index": s.index,
-            "finish_reason": _FINISH.get(s.finish_reason, "stop"),
+            "finish_reason": FINISH_REASONS.get(s.finish_reason, "stop"),
             "token_ids": s.response_token_ids,
             "logprobs": {"content": content} if content is not None else None,
             "weight_versions": [{"version": str(v), "start": a, "end": a + n} for v, a, n in s.versions.segments],

@@ -28,7 +28,7 @@ from rollout_service.partial.carry_over import CarryOverConfig
 from rollout_service.scheduling.length_predictor import LengthPredictor
 from rollout_service.scheduling.rebalancer import RebalanceConfig
 from rollout_service.engines.types import FinishReason
-from rollout_service.lifecycle.types import CoreError, Group, GroupSpec, Request, Sample
+from rollout_service.lifecycle.types import CoreError, DeltaEvent, Group, GroupSpec, Request, Sample, SampleEvent
 from rollout_service.engines.base import Engine
 from rollout_service.scheduling.placement import Placement
 
@@ -235,7 +235,7 @@ class RolloutCore(FleetMixin, WeightSyncMixin):
                         req.first_token_at = self.clock.now()
                     req.append_delta(delta)
                     if req.group.listener is not None:
-                        req.group.listener.put_nowait(("delta", req.index, delta))
+                        req.group.listener.put_nowait(DeltaEvent(req.index, delta))
                     self.counters["tokens_generated"] += len(delta.token_ids)
                 if delta.finish_reason is not None:
                     finish = delta.finish_reason
@@ -287,7 +287,7 @@ class RolloutCore(FleetMixin, WeightSyncMixin):
         for tap in self.sample_taps:
             tap(sample)
         if group.listener is not None:
-            group.listener.put_nowait(("sample", sample))
+            group.listener.put_nowait(SampleEvent(sample))
         else:
             self.delivery.append(sample, group.complete)
         if group.complete:

@@ -19,7 +19,10 @@ class EngineStatus:
 @dataclass(slots=True, frozen=True)
 class CoreStatus:
     """A snapshot of the core. Counts are requests (samples) or groups as
-    named; `uptime_s` is seconds on the service clock."""
+    named; `uptime_s` is seconds on the service clock. `placement_errors`
+    counts dispatches to an engine that failed; `placement_error` is the
+    last dispatch's error message, "" once a dispatch succeeds (readiness
+    reads it: not ready while the last dispatch failed)."""
 
     policy_version: int
     engines: list[EngineStatus]
@@ -31,3 +34,5 @@ class CoreStatus:
     scheduler: str
     uptime_s: float
     counters: dict[str, int] = field(default_factory=dict)
+    placement_errors: int = 0
+    placement_error: str = ""

@@ -11,7 +11,7 @@ from collections import deque
 from typing import Mapping
 
 from rollout_service.engines.types import FinishReason
-from rollout_service.lifecycle.types import CoreError, Group, Request, Sample
+from rollout_service.lifecycle.types import CoreError, Group, Request, Sample, SampleEvent
 from rollout_service.engines.weights import StagedWeights
 from rollout_service.partial.carry_over import CarryPlan, plan_carry_over
 
@@ -97,7 +97,7 @@ class WeightSyncMixin:
             sample = Sample.from_request(req, FinishReason.ABORTED)
             sample.drop_reason = reason
             if group.listener is not None:
-                group.listener.put_nowait(("sample", sample))
+                group.listener.put_nowait(SampleEvent(sample))
             else:
                 self.delivery.append(sample, group.finished == group.spec.num_samples)
         self.counters["groups_dropped"] += 1

@@ -131,8 +131,8 @@ class Group:
     finished: int = 0
     aborted: bool = False
     # A private group (e.g. an HTTP completion) reports to this queue instead
-    # of the delivery log: ("delta", index, TokenDelta) and ("sample", Sample).
-    listener: "asyncio.Queue | None" = None
+    # of the delivery log: a DeltaEvent per engine step, a SampleEvent per sample.
+    listener: "asyncio.Queue[ListenerEvent] | None" = None
 
     @property
     def group_id(self) -> str:
@@ -191,3 +191,21 @@ class Sample:
             metadata=dict(spec.metadata),
             batch_id=spec.batch_id,
         )
+
+
+@dataclass(slots=True, frozen=True)
+class DeltaEvent:
+    """New tokens of sample `index` of a private group."""
+
+    index: int
+    delta: TokenDelta
+
+
+@dataclass(slots=True, frozen=True)
+class SampleEvent:
+    """A sample of a private group finished (or was aborted or dropped)."""
+
+    sample: Sample
+
+
+ListenerEvent = DeltaEvent | SampleEvent

@@ -1,0 +1,196 @@
+"""Receiving a weight push: header -> target, bytes from a file or the
+stream, assembly, verification, staging; then applying it on the engines.
+
+`PushWeights` (servicer.py) is a thin RPC over `WeightsReceiver`. What can
+go wrong maps to one exception each, which the RPC turns into a status:
+
+1. the request is wrong (header, manifest, bytes, file): `FieldError` /
+   `ManifestError` / `WeightsRejected` / `CoreError` -> INVALID_ARGUMENT;
+2. the sender goes quiet: `PushStalled` -> DEADLINE_EXCEEDED;
+3. an engine does not apply the weights in time: `ApplyTimedOut` ->
+   DEADLINE_EXCEEDED;
+4. an engine fails while applying them: `ApplyFailed` -> UNAVAILABLE.
+
+In cases 3 and 4 the serving version is unchanged, and the message names
+the engines that did not reach the pushed version.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import struct
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, AsyncIterable
+
+from rollout_proto import rollout_pb2 as pb
+from rollout_service.api import convert
+from rollout_service.api.validation import FieldError
+from rollout_service.core.rollout import RolloutCore
+from rollout_service.engines.base import EngineError
+from rollout_service.engines.weights import (
+    ManifestError,
+    StagedWeights,
+    TensorSpec,
+    check_manifest,
+    read_safetensors,
+    split_and_verify,
+)
+
+if TYPE_CHECKING:
+    from rollout_service.drafter.runtime import SpecRuntime
+
+TARGETS = ("policy", "draft")
+
+
+class PushStalled(Exception):
+    """The sender sent nothing for longer than the idle timeout."""
+
+
+class ApplyTimedOut(Exception):
+    """An engine did not apply the weights within its update timeout."""
+
+
+class ApplyFailed(Exception):
+    """An engine failed (died, lost its connection) while applying weights."""
+
+
+@dataclass(slots=True)
+class ReceivedWeights:
+    """A verified, staged push, ready to apply. `bytes_received` counts the
+    tensor bytes (streamed, or read from the file)."""
+
+    target: str  # "policy" or "draft"
+    version: int
+    staged: StagedWeights
+    bytes_received: int
+
+
+class WeightsReceiver:
+    """Receives and applies weight pushes for one core (and its speculative
+    decoding runtime, for `target="draft"`)."""
+
+    def __init__(self, core: RolloutCore, max_weights_bytes: int, push_idle_timeout_s: float = 30.0,
+                 spec_runtime: "SpecRuntime | None" = None) -> None:
+        self.core = core
+        self.max_weights_bytes = max_weights_bytes
+        self.push_idle_timeout_s = push_idle_timeout_s
+        self.spec_runtime = spec_runtime
+
+    async def receive(self, messages: AsyncIterable[pb.WeightsChunk]) -> ReceivedWeights:
+        """Read a push: a `WeightsHeader` first, then either nothing (the
+        header names a same-host safetensors `file_path`) or the tensors'
+        bytes as data messages. Checks the manifest against the target model
+        before any byte is buffered, then every tensor's checksum."""
+        first = await anext(aiter(messages), None)
+        if first is None or first.WhichOneof("kind") != "header":
+            raise FieldError("header", "the first message of PushWeights must be a WeightsHeader")
+        header = first.header
+        target = self._target(header.target)
+        check = self.spec_runtime.check_draft_weights if target == "draft" else self.core.check_weights
+        if header.file_path:
+            specs, buffer = await _read_file(header.file_path)
+            if header.tensors:
+                specs = _match_file_manifest(convert.tensor_specs(header), specs)
+            check_manifest(specs, self.max_weights_bytes)
+            check(header.version, {s.name: (s.dtype, s.shape) for s in specs})
+        else:
+            specs = convert.tensor_specs(header)
+            total = check_manifest(specs, self.max_weights_bytes)
+            check(header.version, {s.name: (s.dtype, s.shape) for s in specs})
+            buffer = await _assemble(_with_idle_timeout(messages, self.push_idle_timeout_s), total)
+        tensors = await asyncio.to_thread(split_and_verify, specs, buffer)
+        staged = StagedWeights(tensors, source_path=header.file_path or None)
+        return ReceivedWeights(target, header.version, staged, len(buffer))
+
+    async def apply(self, weights: ReceivedWeights) -> int:
+        """Serve `weights` on every engine; returns the version applied.
+        Raises ApplyTimedOut or ApplyFailed (naming the engines that did not
+        reach the version) when an engine times out or fails; the serving
+        version is then unchanged."""
+        try:
+            if weights.target == "draft":
+                return await self.spec_runtime.push_draft_weights(weights.version, weights.staged)
+            return await self.core.update_weights(weights.version, weights.staged)
+        # TimeoutError first: since Python 3.11 it is asyncio's, and an OSError.
+        except TimeoutError as exc:
+            raise ApplyTimedOut(self._failure(weights, "did not apply it within the update timeout", exc)) from exc
+        except (EngineError, OSError) as exc:
+            raise ApplyFailed(self._failure(weights, "failed applying it", exc)) from exc
+
+    def _target(self, target: str) -> str:
+        if target not in ("", *TARGETS):
+            raise FieldError("header.target", f"must be 'policy' or 'draft', got {target!r}")
+        if target == "draft" and self.spec_runtime is None:
+            raise FieldError("header.target", "'draft': the engines do not speculate (engine.spec is off)")
+        return target or "policy"
+
+    def _failure(self, weights: ReceivedWeights, what: str, exc: BaseException) -> str:
+        detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        if weights.target == "draft":  # draft versions are not in the engines' loads; the error names the engine
+            return (f"draft weights version {weights.version}: an engine {what} ({detail}); "
+                    f"still serving draft version {self.spec_runtime.draft_version}")
+        # Engines that are down get the weights when they come back: not named.
+        behind = [e.load.engine_id for e in self.core.status().engines
+                  if e.load.policy_version != weights.version and e.load.state != "dead"]
+        return (f"policy weights version {weights.version}: engine(s) {', '.join(behind) or '?'} {what} "
+                f"({detail}); still serving version {self.core.policy_version}")
+
+
+async def _read_file(path: str) -> tuple[list[TensorSpec], memoryview]:
+    """The same-host fast path: the file's manifest and tensor bytes. Only
+    file errors are the request's fault; they name the path."""
+    try:
+        return await asyncio.to_thread(read_safetensors, path)
+    except ManifestError:
+        raise
+    except (FileNotFoundError, IsADirectoryError, PermissionError) as exc:
+        raise FieldError("header.file_path", f"cannot read {path!r}: {exc.strerror}") from None
+    except (ValueError, KeyError, IndexError, TypeError, struct.error, json.JSONDecodeError) as exc:
+        raise FieldError("header.file_path", f"{path!r} is not a safetensors file ({exc})") from None
+
+
+async def _assemble(messages: AsyncIterable[pb.WeightsChunk], total: int) -> memoryview:
+    """The data messages' bytes, exactly `total` of them."""
+    buffer = bytearray(total)
+    received = 0
+    async for msg in messages:
+        if msg.WhichOneof("kind") != "data":
+            raise FieldError("header", "only one WeightsHeader may be sent, at the start")
+        n = len(msg.data)
+        if received + n > total:
+            raise FieldError("data", f"the stream carries more than the manifest's {total} bytes")
+        buffer[received : received + n] = msg.data
+        received += n
+    if received != total:
+        raise FieldError("data", f"the stream ended after {received} of the manifest's {total} bytes")
+    return memoryview(buffer)
+
+
+async def _with_idle_timeout(iterator, timeout_s: float):
+    """The stream's messages; PushStalled when the sender goes quiet for
+    longer than `timeout_s` (a stalled trainer must not hold a push forever)."""
+    it = aiter(iterator)
+    while True:
+        try:
+            msg = await asyncio.wait_for(anext(it), timeout_s)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise PushStalled(f"no data for {timeout_s:g} s: push abandoned, the serving version is unchanged") from None
+        yield msg
+
+
+def _match_file_manifest(sent: list[TensorSpec], found: list[TensorSpec]) -> list[TensorSpec]:
+    """Check a sent manifest against a file's; returns the file's specs (in
+    file order) carrying the sent checksums."""
+    by_name = {s.name: s for s in found}
+    for i, s in enumerate(sent):
+        f = by_name.get(s.name)
+        if f is None:
+            raise ManifestError(f"header.tensors[{i}].name", f"{s.name!r} is not in the file")
+        if (f.dtype, f.shape) != (s.dtype, s.shape):
+            raise ManifestError(f"header.tensors[{i}].shape", f"{s.name!r} is {f.dtype}{list(f.shape)} in the file")
+    if len(sent) != len(found):
+        raise ManifestError("header.tensors", f"the file holds {len(found)} tensors, the manifest lists {len(sent)}")
+    sums = {s.name: s.sha256 for s in sent}
+    return [TensorSpec(f.name, f.dtype, f.shape, f.byte_length, sums[f.name]) for f in found]
