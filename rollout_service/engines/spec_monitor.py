@@ -37,6 +37,7 @@ class SpecSnapshot:
     accepted_per_pos: list[float] = field(default_factory=list)
     drafted_per_pos: list[float] = field(default_factory=list)
     draft_version: int = 0
+    schedule: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 class SpecMonitor:
@@ -108,7 +109,8 @@ class SpecMonitor:
     def to_snapshot(self) -> SpecSnapshot:
         """Totals plus the observations since the last snapshot (drained)."""
         return SpecSnapshot(self.drain(), self.steps, self.spec_steps, self.draft_tokens, self.accepted_tokens,
-                            list(self.accepted_per_pos), list(self.drafted_per_pos), self.draft_version)
+                            list(self.accepted_per_pos), list(self.drafted_per_pos), self.draft_version,
+                            [tuple(e) for e in self.schedule])
 
     def apply_snapshot(self, snapshot: SpecSnapshot) -> None:
         """Mirror another monitor's `to_snapshot()` (its observations queue
@@ -121,6 +123,8 @@ class SpecMonitor:
         self.accepted_per_pos = list(snapshot.accepted_per_pos)
         self.drafted_per_pos = list(snapshot.drafted_per_pos)
         self.draft_version = snapshot.draft_version
+        if snapshot.schedule and [tuple(e) for e in self.schedule] != snapshot.schedule:
+            self.set_schedule(snapshot.schedule)  # e.g. a restarted engine back on the configured one
 
     def status(self) -> SpecEngineStatus:
         """The engine's speculation as reported in GetStatus and /metrics."""

@@ -150,8 +150,8 @@ class VllmEngine:
         # Refuse to speculate on a CPU without the exact sampler (False only
         # for the negative control of the exactness test).
         self.require_exact_sampler = require_exact_sampler
-        self._monitor = SpecMonitor(self.spec, max_seqs)
-        self.speculation: VllmSpeculation | None = VllmSpeculation(self, self._monitor) if self.spec.enabled else None
+        self.speculation: VllmSpeculation | None = (
+            VllmSpeculation(self, SpecMonitor(self.spec, max_seqs)) if self.spec.enabled else None)
         self._llm = None
         self._state = EngineState.STARTING
         self._kv_capacity = 0  # tokens, known once the engine core is up
