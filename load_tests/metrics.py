@@ -67,7 +67,7 @@ import numpy as np
 
 from load_tests.driver import StepRecord
 from rollout_service.aio import cancel_and_wait
-from rollout_service.scheduling.rebalancer import least_feasible
+from rollout_service.scheduling.search import least_feasible
 
 # Virtual time adds step times one float at a time; the closed form may differ by rounding.
 _ROUNDING = 1e-9

@@ -19,7 +19,9 @@ class EngineStatus:
 @dataclass(slots=True, frozen=True)
 class CoreStatus:
     """A snapshot of the core. Counts are requests (samples) or groups as
-    named; `uptime_s` is seconds on the service clock."""
+    named; `uptime_s` is seconds on the service clock. `placement_error` is
+    the last placement error while placement keeps failing ("" once a
+    placement succeeds); `placement_errors` counts every failed placement."""
 
     policy_version: int
     engines: list[EngineStatus]
@@ -31,3 +33,5 @@ class CoreStatus:
     scheduler: str
     uptime_s: float
     counters: dict[str, int] = field(default_factory=dict)
+    placement_error: str = ""
+    placement_errors: int = 0
