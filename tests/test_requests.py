@@ -66,3 +66,43 @@ def test_running_assigned_and_engine_ids_agree_through_start_preempt_migrate_dro
         await core.stop()
 
     run_virtual(main())
+
+
+def test_a_checkpoint_snapshot_resumes_every_open_group_in_a_new_core(tmp_path):
+    from rollout_service.core import checkpoint
+
+    specs = [GroupSpec(f"g{i}", [1, 2, 3], 2, SamplingParams(max_tokens=10_000),
+                       metadata={"sim.target_lengths": "2,400"}) for i in range(3)]
+
+    async def first():
+        core = RolloutCore([SimEngine("e0", SimParams(**FAST))], make_placement("least-assigned"), Clock())
+        await core.start()
+        core.submit(specs)
+        await asyncio.sleep(0.1)  # the short samples are delivered, the long ones part-way
+        await core.checkpoint(str(tmp_path))
+        await core.stop()
+        return core.snapshot()
+
+    saved = run_virtual(first())
+    assert len(saved.groups) == 3 and saved.last_cursor == 3
+    partial = {r.request_id: len(r.token_ids) for g in saved.groups for r in g.requests if r.finish_reason is None}
+    assert len(partial) == 3 and all(n > 0 for n in partial.values())
+
+    async def second():
+        core = RolloutCore([SimEngine("e0", SimParams(**FAST))], make_placement("least-assigned"), Clock())
+        snapshot = checkpoint.load(str(tmp_path))
+        core.restore_snapshot(snapshot)
+        assert [r.request_id for r in core.queue] == sorted(partial) and core.knows("g0")
+        await core.start()
+        got = []
+        async for entry in core.delivery.stream("c"):
+            got.append(entry)
+            if len(got) == 6:
+                break
+        await core.stop()
+        return got
+
+    got = run_virtual(second())
+    assert sorted(e.sample.sample_id for e in got) == sorted(f"g{i}/{j}" for i in range(3) for j in range(2))
+    resumed = [e.sample for e in got if e.sample.sample_id in partial]
+    assert all(len(s.response_token_ids) == 400 and s.engines == ["e0", "e0"] for s in resumed)
