@@ -122,6 +122,10 @@ class RolloutCore:
     def carry_over(self) -> CarryOverConfig:
         return self.weight_sync.carry_over
 
+    @carry_over.setter
+    def carry_over(self, config: CarryOverConfig) -> None:
+        self.weight_sync.carry_over = config
+
     @property
     def rebalance(self) -> RebalanceConfig | None:
         return self.rebalancing.config
