@@ -194,9 +194,6 @@ class _Lengths:
         n = self.lengths.get(req.request_id, 10.0)
         return LengthEstimate(n, 2 * n)
 
-    def predict_total(self, req):
-        return len(req.token_ids) + self.predict(req).median
-
 
 def _length_aware(lengths: dict[str, float], in_flight: dict[str, tuple[float, float]] | None = None,
                   hold: bool = True):
