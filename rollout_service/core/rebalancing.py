@@ -1,6 +1,8 @@
-"""Length-aware rebalancing in the core: on every tick, a snapshot of the
-engines and of the requests on them goes to the pure rebalancer
-(scheduling/rebalancer.py); the moves it returns are applied as migrations.
+"""Length-aware scheduling state in the core: the length predictor, the
+predicted load in flight per engine (placement reads it), and rebalancing:
+on every tick, a snapshot of the engines and of the requests on them goes to
+the pure rebalancer (scheduling/rebalancer.py); the moves it returns are
+applied as migrations.
 """
 from __future__ import annotations
 
@@ -36,6 +38,19 @@ class Rebalancing:
                     await self.once()
                 except Exception:  # a policy bug must not stop the service
                     log.exception("rebalancing failed")
+
+    def predicted_loads(self) -> dict[str, tuple[float, float]]:
+        """engine id -> (predicted remaining tokens, longest predicted
+        remaining response) of the requests running there ({} without a
+        predictor)."""
+        loads: dict[str, tuple[float, float]] = {}
+        if self.predictor is None:
+            return loads
+        for r in self._requests.attached():
+            left = self.predictor.predict(r).median
+            work, longest = loads.get(r.engine_id, (0.0, 0.0))
+            loads[r.engine_id] = (work + left, max(longest, left))
+        return loads
 
     def engine_views(self) -> list[EngineView]:
         views = []

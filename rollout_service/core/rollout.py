@@ -290,7 +290,7 @@ class RolloutCore:
             return
         loads = self.fleet.placeable_loads()
         # Predicted load per engine: computed at most once, for this placement.
-        decisions = self.placement.place(self.queue, loads, self.assigned, LoadView(self._in_flight_load))
+        decisions = self.placement.place(self.queue, loads, self.assigned, LoadView(self.rebalancing.predicted_loads))
         for req, engine_id in decisions:
             self._start(req, self.engines[engine_id])
 
@@ -531,20 +531,10 @@ class RolloutCore:
 
     # -- length-aware scheduling -----------------------------------------------------
 
-    def _in_flight_load(self) -> dict[str, tuple[float, float]]:
-        loads: dict[str, tuple[float, float]] = {}
-        if self.predictor is None:
-            return loads
-        for r in self.requests.attached():
-            left = self.predictor.predict(r).median
-            work, longest = loads.get(r.engine_id, (0.0, 0.0))
-            loads[r.engine_id] = (work + left, max(longest, left))
-        return loads
-
     def predicted_load(self, engine_id: str) -> tuple[float, float]:
         """Predicted remaining tokens of the requests placed on an engine, and
         the longest of them."""
-        return self._in_flight_load().get(engine_id, (0.0, 0.0))
+        return self.rebalancing.predicted_loads().get(engine_id, (0.0, 0.0))
 
     async def rebalance_once(self) -> list[Move]:
         """Ask the rebalancer for moves on the current snapshot; apply them."""
