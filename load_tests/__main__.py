@@ -23,7 +23,7 @@ from load_tests.report import markdown_speedup_table, markdown_table, plot, tabl
 from load_tests.runner import RunConfig, run_policy
 from load_tests.workloads import WORKLOADS, load_workload
 from rollout_service.engines.sim import SimParams
-from rollout_service.scheduling import parse_policies
+from load_tests.policies import parse_policies
 
 COST_FIELDS = ("decode_base_s", "decode_per_seq_s", "decode_per_ctx_token_s", "prefill_per_token_s", "weight_update_s")
 

@@ -41,9 +41,7 @@ step, so K + M is used). The bound is the largest of four:
   `b / j` is convex its engine time is at least `L * (b / J + s)`
   (Jensen): `L / J` engine steps' worth of `b`. Summed over the responses
   (and no fewer steps than the total-work term's), plus their own terms,
-  it must fit in N * T; the bound is the least T where it does. On the code replay, where
-  dozens of responses run 10,000-16,000 tokens, every one of them needs small
-  batches and the fleet's time runs out before the shared-steps term says.
+  it must fit in N * T; the bound is the least T where it does.
 
 With speculative decoding on in the simulated engine, the decode terms are
 divided by the best tokens per verify step (every draft at the deepest
@@ -67,7 +65,7 @@ import numpy as np
 
 from load_tests.driver import StepRecord
 from rollout_service.aio import cancel_and_wait
-from rollout_service.scheduling.rebalancer import least_feasible
+from rollout_service.scheduling.search import least_feasible
 
 # Virtual time adds step times one float at a time; the closed form may differ by rounding.
 _ROUNDING = 1e-9

@@ -22,9 +22,8 @@ import math
 import random
 
 from rollout_service.lifecycle.types import Request
-from rollout_service.scheduling.length_aware import LengthAwarePlacement
+from rollout_service.scheduling.length_aware import LengthAwarePlacement, LengthPackedPlacement
 from rollout_service.scheduling.length_predictor import LengthEstimate, LengthPredictor
-from rollout_service.scheduling.placement import PLACEMENTS
 
 NAME = "length-oracle"
 
@@ -82,30 +81,21 @@ class NoisyLengthPredictor(LengthPredictor):
         return LengthEstimate(left, left)
 
 
-def _named(placement: LengthAwarePlacement, name: str) -> LengthAwarePlacement:
-    placement.name = name
-    return placement
+def _oracle_placements() -> dict:
+    """name -> factory of every clairvoyant reference placement (module docstring)."""
+    table = {
+        NAME: lambda: LengthAwarePlacement(OracleLengthPredictor(), name=NAME),
+        f"{NAME}-packed": lambda: LengthPackedPlacement(OracleLengthPredictor(), name=f"{NAME}-packed"),
+    }
+    for n in REVEAL_AFTER:
+        table[f"{NAME}-after-{n}"] = lambda n=n: LengthAwarePlacement(OracleLengthPredictor(n), name=f"{NAME}-after-{n}")
+    for sigma in NOISE:
+        table[f"length-noisy-{sigma}"] = lambda s=sigma: LengthAwarePlacement(NoisyLengthPredictor(s),
+                                                                           name=f"length-noisy-{s}")
+        table[f"length-noisy-{sigma}-packed"] = lambda s=sigma: LengthPackedPlacement(
+            NoisyLengthPredictor(s), name=f"length-noisy-{s}-packed")
+    return table
 
 
-def _packed(placement: LengthAwarePlacement, name: str) -> LengthAwarePlacement:
-    placement.pack = True
-    return _named(placement, name)
-
-
-def _oracle_placement(reveal_after: int = 0):
-    def make() -> LengthAwarePlacement:
-        placement = LengthAwarePlacement(OracleLengthPredictor(reveal_after))
-        placement.name = f"{NAME}-after-{reveal_after}" if reveal_after else NAME
-        return placement
-    return make
-
-
-PLACEMENTS.setdefault(NAME, _oracle_placement())
-PLACEMENTS.setdefault(f"{NAME}-packed", lambda: _packed(LengthAwarePlacement(OracleLengthPredictor()), f"{NAME}-packed"))
-for _n in REVEAL_AFTER:
-    PLACEMENTS.setdefault(f"{NAME}-after-{_n}", _oracle_placement(_n))
-for _sigma in NOISE:
-    PLACEMENTS.setdefault(f"length-noisy-{_sigma}", lambda s=_sigma: _named(LengthAwarePlacement(NoisyLengthPredictor(s)),
-                                                                     f"length-noisy-{s}"))
-    PLACEMENTS.setdefault(f"length-noisy-{_sigma}-packed",
-                          lambda s=_sigma: _packed(LengthAwarePlacement(NoisyLengthPredictor(s)), f"length-noisy-{s}-packed"))
+#: Passed to `make_placement(name, extra=ORACLE_PLACEMENTS)` and the policy parser (load_tests/policies.py).
+ORACLE_PLACEMENTS = _oracle_placements()

@@ -26,8 +26,54 @@ from pathlib import Path
 
 from load_tests.runner import RunConfig, run_policy
 from load_tests.workloads import load_workload
-from rollout_service.scheduling import parse_policy
-from rollout_service.scheduling.length_predictor import LengthPredictor, spearman
+from load_tests.policies import parse_policy
+from rollout_service.lifecycle.types import Request
+from rollout_service.scheduling.length_predictor import LengthPredictor
+
+
+def predicted_total(predictor: LengthPredictor, req: Request) -> float:
+    """Predicted median total length of `req` (generated + predicted remaining)."""
+    return len(req.token_ids) + predictor.predict(req).median
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Rank correlation of predictions and outcomes (ties get mean ranks)."""
+
+    def ranks(v: list[float]) -> list[float]:
+        order = sorted(range(len(v)), key=v.__getitem__)
+        r = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+
+    if len(xs) < 2:
+        return 0.0
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    vx = sum((a - mx) ** 2 for a in rx) ** 0.5
+    vy = sum((b - my) ** 2 for b in ry) ** 0.5
+    return cov / (vx * vy) if vx and vy else 0.0
+
+
+class _RecordingPlacement:
+    """The core's placement, reporting every request it places."""
+
+    def __init__(self, inner, on_place) -> None:
+        self.inner, self.on_place = inner, on_place
+        self.name, self.predictor = inner.name, inner.predictor
+
+    def place(self, queue, loads, assigned, in_flight=None):
+        decisions = self.inner.place(queue, loads, assigned, in_flight)
+        for req, _ in decisions:
+            self.on_place(req)
+        return decisions
 
 
 @dataclass(slots=True)
@@ -42,12 +88,11 @@ class Recorder:
         if core.predictor is None:
             core.predictor = LengthPredictor()  # a policy without one: measure the default predictor
         predictor = core.predictor
-        start, observe = core._start, predictor.observe
+        observe = predictor.observe
 
-        def recording_start(req, engine):
+        def on_place(req):
             if req.request_id not in self.placement:
-                self.placement[req.request_id] = predictor.predict_total(req)
-            start(req, engine)
+                self.placement[req.request_id] = predicted_total(predictor, req)
 
         def recording_observe(req, length, group_done):
             observe(req, length, group_done)
@@ -56,7 +101,7 @@ class Recorder:
                     if sib.finish_reason is None and sib.request_id not in self.after_first:
                         self.after_first[sib.request_id] = (len(sib.token_ids), predictor.predict(sib).median)
 
-        core._start = recording_start
+        core.placement = _RecordingPlacement(core.placement, on_place)
         predictor.observe = recording_observe
 
 

@@ -19,8 +19,8 @@ from typing import AsyncIterator
 
 import numpy as np
 
-from load_tests import oracle  # noqa: F401  (registers the clairvoyant reference placement)
 from load_tests.driver import Completion, GroupRequest
+from load_tests.policies import make_placement
 from rollout_service.config import EngineConfig, ServiceConfig
 from rollout_service.core.clock import Clock
 from rollout_service.core.rollout import RolloutCore
@@ -30,7 +30,7 @@ from rollout_service.drafter.mechanisms import mechanism_spec
 from rollout_service.drafter.runtime import SpecRuntime
 from rollout_service.factory import make_engines, model_info
 from rollout_service.partial import CarryOverConfig
-from rollout_service.scheduling import PolicySpec, make_placement
+from rollout_service.scheduling import PolicySpec
 from rollout_service.scheduling.rebalancer import RebalanceConfig
 
 FINISH = {1: "stop", 2: "length", 3: "aborted"}

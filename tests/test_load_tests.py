@@ -9,7 +9,7 @@ import pytest
 from load_tests.__main__ import main
 from load_tests.runner import RunConfig, run_async, run_policy
 from load_tests.workloads import GroupShape, Workload, load_workload
-from rollout_service.scheduling import parse_policy
+from load_tests.policies import parse_policy
 
 BASELINES = ["static", "least-assigned", "sticky-rr"]
 

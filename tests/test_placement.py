@@ -8,7 +8,7 @@ import pytest
 from rollout_service.engines.types import EngineLoad, SamplingParams
 from rollout_service.lifecycle.types import Group, GroupSpec, Request
 from rollout_service.scheduling import PLACEMENTS, make_placement, parse_policies, parse_policy
-from rollout_service.scheduling.placement import LeastAssigned, split_evenly
+from rollout_service.scheduling.placement import LeastAssigned, LoadView, split_evenly
 from rollout_service.scheduling.policy import MECHANISMS, register_mechanism
 
 
@@ -136,15 +136,33 @@ def test_policy_names_join_a_placement_and_mechanisms_with_plus():
     assert parse_policy("sticky-rr").placement == "sticky-rr"
     assert parse_policy(" static ").name == "static"
     assert [p.name for p in parse_policies("static,least-assigned, sticky-rr")] == ["static", "least-assigned", "sticky-rr"]
-    register_mechanism("probe-mechanism", "a mechanism registered by a test")
+    mechanisms = {**MECHANISMS, "probe-mechanism": "a mechanism a caller brings"}
+    spec = parse_policy("probe-mechanism+static", mechanisms=mechanisms)
+    assert (spec.placement, spec.mechanisms, spec.name) == ("static", ("probe-mechanism",), "static+probe-mechanism")
+    assert parse_policy("probe-mechanism", mechanisms=mechanisms).placement == "least-assigned"  # the default placement
+    with pytest.raises(ValueError, match="twice"):
+        parse_policy("probe-mechanism+probe-mechanism", mechanisms=mechanisms)
+    with pytest.raises(ValueError, match="unknown policy"):
+        parse_policy("probe-mechanism")  # not in the default vocabulary
+
+
+def test_callers_bring_their_own_placements_without_registering_them():
+    made = make_placement("mine", extra={"mine": lambda: LeastAssigned(cap_at_max_seqs=True)})
+    assert made.cap_at_max_seqs
+    assert "mine" not in PLACEMENTS
+    with pytest.raises(ValueError, match="unknown placement"):
+        make_placement("mine")
+    assert parse_policy("mine+rebalance", placements={**PLACEMENTS, "mine": LeastAssigned}).placement == "mine"
+
+
+def test_the_deprecated_mechanism_registration_still_parses():
+    from rollout_service.scheduling import policy
+
+    register_mechanism("probe-compat", "registered the old way")
     try:
-        spec = parse_policy("probe-mechanism+static")
-        assert (spec.placement, spec.mechanisms, spec.name) == ("static", ("probe-mechanism",), "static+probe-mechanism")
-        assert parse_policy("probe-mechanism").placement == "least-assigned"  # the default placement
-        with pytest.raises(ValueError, match="twice"):
-            parse_policy("probe-mechanism+probe-mechanism")
+        assert parse_policy("probe-compat").mechanisms == ("probe-compat",)
     finally:
-        MECHANISMS.pop("probe-mechanism")
+        policy._REGISTERED.pop("probe-compat")
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -176,23 +194,37 @@ class _Lengths:
         n = self.lengths.get(req.request_id, 10.0)
         return LengthEstimate(n, 2 * n)
 
-    def predict_total(self, req):
-        return len(req.token_ids) + self.predict(req).median
 
-
-def _length_aware(lengths: dict[str, float], in_flight: dict[str, tuple[float, float]] | None = None):
+def _length_aware(lengths: dict[str, float], in_flight: dict[str, tuple[float, float]] | None = None,
+                  hold: bool = True):
     from rollout_service.scheduling.length_aware import LengthAwarePlacement
 
-    policy = LengthAwarePlacement(_Lengths(lengths))
-    policy.bind(lambda engine_id: (in_flight or {}).get(engine_id, (0.0, 0.0)))
-    return policy
+    return _WithLoad(LengthAwarePlacement(_Lengths(lengths), hold=hold), in_flight or {})
+
+
+class _WithLoad:
+    """A length-aware placement with a fixed predicted load in flight."""
+
+    def __init__(self, placement, in_flight):
+        self.placement, self.in_flight = placement, in_flight
+
+    def __getattr__(self, name):
+        return getattr(self.placement, name)
+
+    def place(self, queue, loads, assigned):
+        return self.placement.place(queue, loads, assigned, LoadView.of(self.in_flight))
+
+
+def _packed(lengths: dict[str, float]):
+    from rollout_service.scheduling.length_aware import LengthPackedPlacement
+
+    return _WithLoad(LengthPackedPlacement(_Lengths(lengths)), {})
 
 
 def test_length_aware_places_the_longest_predicted_first_and_keeps_the_rest_queued():
     q = queue_of(3, 2)  # six requests, four slots
     lengths = {"g0/0": 5, "g0/1": 50, "g1/0": 500, "g1/1": 40, "g2/0": 400, "g2/1": 4}
-    policy = _length_aware(lengths)
-    policy.hold = False
+    policy = _length_aware(lengths, hold=False)
     decisions = policy.place(q, loads(2, max_seqs=2), {})
     assert [r.request_id for r, _ in decisions] == ["g1/0", "g2/0", "g0/1", "g1/1"]
     assert len(by_engine(decisions)["e0"]) == len(by_engine(decisions)["e1"]) == 2  # never over max_seqs
@@ -229,12 +261,10 @@ def test_packing_puts_long_responses_together_and_short_ones_in_large_batches():
     # ones together (1,000 + 0.04 * 4,000 = 1,160), the short ones in one large batch (520).
     lengths = {f"g0/{i}": 1000 for i in range(4)}
     lengths.update({f"g{g}/{i}": 200 for g in range(1, 11) for i in range(4)})
-    spread = _length_aware(lengths)
-    spread.hold = False
+    spread = _length_aware(lengths, hold=False)
     by = by_engine(spread.place(queue_of(11, 4), loads(2, max_seqs=64), {}))
     assert sorted(sum(r.startswith("g0/") for r in ids) for ids in by.values()) == [2, 2]
-    packed = _length_aware(lengths)
-    packed.pack = True
+    packed = _packed(lengths)
     q = queue_of(11, 4)
     by = by_engine(packed.place(q, loads(2, max_seqs=64), {}))
     long_engine = next(e for e, ids in by.items() if "g0/0" in ids)

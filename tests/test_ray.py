@@ -133,7 +133,7 @@ async def test_sim_actors_serve_push_weights_and_survive_a_killed_actor(cluster)
         assert status.counters["ray_actor_deaths"] >= 1 and status.counters["engine_restarts"] >= 1
         # A new actor, on the current weights.
         await wait_until(lambda: victim.restarts == restarts + 1 and victim.load().state == "ready"
-                         and "sim-1" not in core._restarting, 60, "the actor to come back")
+                         and not core.is_restarting("sim-1"), 60, "the actor to come back")
         assert victim.actor_pid not in (None, pid)
         assert victim.load().policy_version == 1
     finally:
@@ -198,7 +198,7 @@ async def test_a_dead_node_s_engines_come_back_when_a_node_joins(cluster):
             assert all(e.load().state != "ready" for e in on_worker)  # no resources: still down
             dead_node = cluster.worker.node_id
             cluster.worker = add_node(cluster)
-            await wait_until(lambda: all(e.load().state == "ready" and e.engine_id not in core._restarting for e in on_worker),
+            await wait_until(lambda: all(e.load().state == "ready" and not core.is_restarting(e.engine_id) for e in on_worker),
                              90, "the engines to come back on the new node")
             assert dead_node not in {e.node_id for e in on_worker}
             again = unique("again")
@@ -272,7 +272,7 @@ async def test_vllm_actors_on_two_nodes_push_weights_and_recover_a_killed_actor(
             os.kill(pid, signal.SIGKILL)
             samples = await collect(client, prefix, 64, timeout=300)
             await wait_until(lambda: victim.restarts == restarts + 1 and victim.load().state == "ready"
-                             and "vllm-0" not in core._restarting, 180, "the killed actor to come back")
+                             and not core.is_restarting("vllm-0"), 180, "the killed actor to come back")
             assert victim.actor_pid not in (None, pid)
             assert victim.load().policy_version == 1  # brought to the current weights
             # The new actor serves, on version 1.

@@ -7,7 +7,8 @@ import pytest
 
 from rollout_service.engines.types import SamplingParams
 from rollout_service.lifecycle.types import Group, GroupSpec, Request
-from rollout_service.scheduling.length_predictor import LengthPredictor, spearman
+from load_tests.predictor_accuracy import predicted_total, spearman
+from rollout_service.scheduling.length_predictor import LengthPredictor
 from rollout_service.scheduling.rebalancer import (
     EngineView,
     RebalanceConfig,
@@ -144,7 +145,7 @@ def test_rank_correlation_of_predictions_on_a_correlated_workload():
             for i, n in enumerate(lengths):
                 req = _request(f"s{step}g{g}", i, prompt_id=f"p{g}")
                 if step > 0:
-                    preds.append(p.predict_total(req))
+                    preds.append(predicted_total(p, req))
                     truth.append(n)
                 p.observe(req, n, group_done=i == 7)
     assert spearman(preds, truth) > 0.7
@@ -158,8 +159,8 @@ def test_predictor_scales_siblings_by_how_much_longer_groups_ran_than_their_firs
             p.observe(_request(f"done{g}", i, prompt_len=50), n, group_done=i == 3)
     p.observe(_request("short", 0, prompt_len=50), 300, group_done=False)
     p.observe(_request("long", 0, prompt_len=50), 3000, group_done=False)
-    short = p.predict_total(_request("short", 1, prompt_len=50, generated=300))
-    long = p.predict_total(_request("long", 1, prompt_len=50, generated=3000))
+    short = predicted_total(p, _request("short", 1, prompt_len=50, generated=300))
+    long = predicted_total(p, _request("long", 1, prompt_len=50, generated=3000))
     assert 300 < short < 600 and 3000 < long < 6000
 
 

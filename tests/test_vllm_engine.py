@@ -214,7 +214,7 @@ async def test_killed_engine_loses_no_sample_and_comes_back(vllm_service, vclien
     assert all(s.finish_reason in ("stop", "length") for s in samples)
     assert all(s.max_version == version for s in samples)
     deadline = time.time() + 180
-    while not (victim.restarts == restarts + 1 and victim.load().state == "ready" and "vllm-0" not in core._restarting):
+    while not (victim.restarts == restarts + 1 and victim.load().state == "ready" and not core.is_restarting("vllm-0")):
         assert time.time() < deadline, "the killed engine did not come back"
         await asyncio.sleep(0.5)
     assert victim.load().policy_version == version  # restarted on the current weights

@@ -17,6 +17,7 @@ import shutil
 from pathlib import Path
 
 from rollout_service.core.delivery import Consumer
+from rollout_service.core.snapshot import CoreSnapshot, DeliveredEntry
 from rollout_service.engines.types import FinishReason, SamplingParams
 from rollout_service.lifecycle.types import Group, GroupSpec, Request, Sample
 from rollout_service.lifecycle.versions import VersionTags
@@ -51,14 +52,12 @@ def _sample_from(d: dict) -> Sample:
     return Sample(**d)
 
 
-def save(core, state_dir: str) -> Path:
-    """Write the core's state (call after every request was preempted)."""
+def save(snapshot: CoreSnapshot, state_dir: str) -> Path:
+    """Write a snapshot (taken after every request was preempted)."""
     out = Path(state_dir)
     out.mkdir(parents=True, exist_ok=True)
     groups = []
-    for g in core.groups.values():
-        if g.aborted or g.listener is not None:
-            continue
+    for g in snapshot.groups:
         groups.append({
             "spec": _spec_dict(g.spec),
             "submitted_at": g.submitted_at,
@@ -69,36 +68,32 @@ def save(core, state_dir: str) -> Path:
                 for r in g.requests
             ],
         })
-    log = core.delivery
     state = {
-        "policy_version": core.policy_version,
+        "policy_version": snapshot.policy_version,
         "groups": groups,
-        "done_groups": list(core._done_groups),
-        "last_cursor": log.last_cursor,
+        "done_groups": list(snapshot.done_group_ids),
+        "last_cursor": snapshot.last_cursor,
         "entries": [{"cursor": e.cursor, "group_complete": e.group_complete, "sample": _sample_dict(e.sample)}
-                    for e in log.entries()],
-        "consumers": {c.consumer_id: c.acked for c in log.consumers()},
-        "counters": dict(core.counters),
+                    for e in snapshot.entries],
+        "consumers": {c.consumer_id: c.acked for c in snapshot.consumers},
+        "counters": dict(snapshot.counters),
     }
-    weights = core._last_weights
-    if weights is not None:
-        shutil.copyfile(weights.path_now(), out / WEIGHTS_FILE)
+    if snapshot.weights is not None:
+        shutil.copyfile(snapshot.weights.path_now(), out / WEIGHTS_FILE)
     tmp = out / (STATE_FILE + ".tmp")
     tmp.write_text(json.dumps(state))
     os.replace(tmp, out / STATE_FILE)  # atomic: a crash mid-write leaves the old state
     return out / STATE_FILE
 
 
-def load(core, state_dir: str) -> bool:
-    """Restore a saved state into a core that has not started dispatching;
-    returns whether there was one. The state file is renamed once loaded."""
+def load(state_dir: str) -> CoreSnapshot | None:
+    """Read a saved snapshot (None if there is none). The state file is
+    renamed once read, so a second start does not resume it again."""
     path = Path(state_dir) / STATE_FILE
     if not path.exists():
-        return False
+        return None
     state = json.loads(path.read_text())
-    core.policy_version = state["policy_version"]
-    for gid in state["done_groups"]:
-        core._done_groups[gid] = None
+    groups = []
     for gd in state["groups"]:
         spec = _spec_from(gd["spec"])
         group = Group(spec, submitted_at=gd["submitted_at"])
@@ -110,19 +105,20 @@ def load(core, state_dir: str) -> bool:
             if rd["finished"]:
                 req.finish_reason = FinishReason.STOP  # already delivered; only counted
                 group.finished += 1
-            else:
-                core.queue.append(req)
             group.requests.append(req)
-        core.groups[spec.group_id] = group
-    core.delivery.restore(
-        [(e["cursor"], _sample_from(e["sample"]), e["group_complete"]) for e in state["entries"]],
-        state["last_cursor"],
-        [Consumer(cid, acked) for cid, acked in state["consumers"].items()],
+        groups.append(group)
+    snapshot = CoreSnapshot(
+        policy_version=state["policy_version"],
+        groups=groups,
+        done_group_ids=list(state["done_groups"]),
+        entries=[DeliveredEntry(e["cursor"], _sample_from(e["sample"]), e["group_complete"]) for e in state["entries"]],
+        last_cursor=state["last_cursor"],
+        consumers=[Consumer(cid, acked) for cid, acked in state["consumers"].items()],
+        counters=state["counters"],
     )
-    core.counters.update(state["counters"])
     weights_file = Path(state_dir) / WEIGHTS_FILE
-    if weights_file.exists() and core.policy_version > 0:
+    if weights_file.exists() and snapshot.policy_version > 0:
         specs, buffer = read_safetensors(str(weights_file))
-        core._restored_weights = StagedWeights(split_and_verify(specs, buffer), source_path=str(weights_file))
+        snapshot.weights = StagedWeights(split_and_verify(specs, buffer), source_path=str(weights_file))
     path.rename(path.with_suffix(".restored"))
-    return True
+    return snapshot

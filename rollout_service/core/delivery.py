@@ -46,7 +46,6 @@ class DeliveryLog:
         self._last = 0
         self._consumers: dict[str, Consumer] = {}
         self._changed = asyncio.Event()
-        self.dropped_acked = 0
 
     @property
     def last_cursor(self) -> int:
@@ -79,6 +78,7 @@ class DeliveryLog:
             self._consumers[c.consumer_id] = c
 
     def _wake(self) -> None:
+        # A broadcast: every stream waiting on the old event wakes; later waits use a fresh one.
         self._changed.set()
         self._changed = asyncio.Event()
 
@@ -106,7 +106,6 @@ class DeliveryLog:
         floor = min(c.acked for c in live)
         while self._head < len(self._entries) and self._entries[self._head].cursor <= floor:
             self._head += 1
-            self.dropped_acked += 1
         if self._head > 1024 and self._head * 2 > len(self._entries):
             del self._entries[: self._head]
             self._head = 0

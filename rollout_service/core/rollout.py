@@ -19,20 +19,26 @@ from typing import Callable, Iterable, Protocol
 
 from rollout_service.core.clock import Clock
 from rollout_service.core.delivery import DeliveryLog
-from rollout_service.core.fleet import FleetMixin
-from rollout_service.core.weight_sync import WeightSyncMixin
+from rollout_service.core.fleet import Fleet
 from rollout_service.core.histogram import Histogram
+from rollout_service.core.rebalancing import Rebalancing
+from rollout_service.core.requests import RequestTable
+from rollout_service.core.snapshot import CoreSnapshot, DeliveredEntry
 from rollout_service.core.status import CoreStatus, EngineStatus
+from rollout_service.core.tasks import TaskSet
+from rollout_service.core.weight_sync import WeightSync
+from rollout_service.engines.base import Engine
+from rollout_service.engines.types import FinishReason
 from rollout_service.engines.weights import StagedWeights
+from rollout_service.lifecycle.types import CoreError, DeltaEvent, Group, GroupSpec, Request, Sample, SampleEvent
 from rollout_service.partial.carry_over import CarryOverConfig
 from rollout_service.scheduling.length_predictor import LengthPredictor
-from rollout_service.scheduling.rebalancer import RebalanceConfig
-from rollout_service.engines.types import FinishReason
-from rollout_service.lifecycle.types import CoreError, DeltaEvent, Group, GroupSpec, Request, Sample, SampleEvent
-from rollout_service.engines.base import Engine
-from rollout_service.scheduling.placement import Placement
+from rollout_service.scheduling.placement import LoadView, Placement
+from rollout_service.scheduling.rebalancer import Move, RebalanceConfig
 
 log = logging.getLogger(__name__)
+
+PLACEMENT_RETRY_S = (0.1, 5.0)  # back-off after a placement error: first, doubling up to
 
 
 class Detokenizer(Protocol):
@@ -47,7 +53,13 @@ class CoreLimits:
     health_interval_s: float = 1.0  # how often engines are checked for death
 
 
-class RolloutCore(FleetMixin, WeightSyncMixin):
+class RolloutCore:
+    """One service's requests, from Submit to delivery, over a fleet.
+
+    Composed of objects that own their state: `requests` (what runs where),
+    `fleet` (engines, health, restarts), `weight_sync` (policy version and
+    weights), `rebalancing` (migrations), `delivery` (the delivery log)."""
+
     def __init__(
         self,
         engines: Iterable[Engine],
@@ -59,83 +71,151 @@ class RolloutCore(FleetMixin, WeightSyncMixin):
         rebalance: RebalanceConfig | None = None,
         predictor: LengthPredictor | None = None,
     ) -> None:
-        self.engines: dict[str, Engine] = {e.engine_id: e for e in engines}
         self.placement = placement
         self.clock = clock or Clock()
         self.limits = limits or CoreLimits()
         self.detokenizer = detokenizer
-        self.carry_over = carry_over or CarryOverConfig()
-        self.rebalance = rebalance
-        # One predictor serves placement and rebalancing; it learns from every finish.
-        self.predictor = predictor or getattr(placement, "predictor", None) or (LengthPredictor() if rebalance else None)
-        if hasattr(placement, "bind"):
-            placement.bind(self.predicted_load)
+        self.counters: Counter[str] = Counter()
+        self.histograms = {"sample_latency_seconds": Histogram(), "weight_update_seconds": Histogram()}
         self.delivery = DeliveryLog(self.clock.now, self.limits.consumer_ttl_s)
         self.groups: dict[str, Group] = {}
         self._done_groups: OrderedDict[str, None] = OrderedDict()
         self.queue: deque[Request] = deque()
-        self.running: dict[str, tuple[Request, asyncio.Task]] = {}
-        self.assigned: Counter[str] = Counter()
-        self.policy_version = 0
-        self.counters: Counter[str] = Counter()
-        self.histograms = {"sample_latency_seconds": Histogram(), "weight_update_seconds": Histogram()}
+        self.requests = RequestTable()
         self._wake = asyncio.Event()
-        self._dispatcher: asyncio.Task | None = None
-        self._watcher: asyncio.Task | None = None
-        self._rebalancer: asyncio.Task | None = None
-        self._work_cache: dict[str, tuple[float, float]] | None = None
-        self._dispatching = False
-        self._restarting: set[str] = set()
-        self._last_weights: StagedWeights | None = None
-        self._restored_weights: StagedWeights | None = None
-        self._weights_lock = asyncio.Lock()
+        self._tasks = TaskSet()  # every task the core starts, awaited on stop()
+        self._runners = TaskSet()  # one per request attempt
+        self.fleet = Fleet(engines, self.counters, self._tasks, evacuate=self._evacuate,
+                           bring_up=self._bring_up, on_change=self._wake.set)
+        self.weight_sync = WeightSync(self.fleet, carry_over or CarryOverConfig(), self.counters,
+                                      self.histograms["weight_update_seconds"], self.clock.monotonic)
+        # One predictor serves placement and rebalancing; it learns from every finish.
+        self.rebalancing = Rebalancing(rebalance, predictor or placement.predictor or (LengthPredictor() if rebalance else None),
+                                       self.fleet, self.requests, self.migrate, self.clock.monotonic)
+        self.placement_error = ""  # the last placement error, while placement keeps failing
         self.started_at = 0.0
         # Called with every finished sample (e.g. the online drafter trainer);
-        # must be cheap and must not raise.
+        # must be cheap. One that raises is counted (`finish_errors`) and logged.
         self.sample_taps: list[Callable[[Sample], None]] = []
+
+    # -- the parts, as attributes callers know -------------------------------------
+
+    @property
+    def engines(self) -> dict[str, Engine]:
+        return self.fleet.engines
+
+    @property
+    def running(self):
+        """request id -> (request, runner task) of every request on an engine (read-only)."""
+        return self.requests.entries
+
+    @property
+    def assigned(self):
+        """Requests placed per engine and not yet seen finish (read-only)."""
+        return self.requests.counts
+
+    @property
+    def policy_version(self) -> int:
+        return self.weight_sync.version
+
+    @property
+    def carry_over(self) -> CarryOverConfig:
+        return self.weight_sync.carry_over
+
+    @carry_over.setter
+    def carry_over(self, config: CarryOverConfig) -> None:
+        self.weight_sync.carry_over = config
+
+    @property
+    def rebalance(self) -> RebalanceConfig | None:
+        return self.rebalancing.config
+
+    @rebalance.setter
+    def rebalance(self, config: RebalanceConfig | None) -> None:
+        self.rebalancing.config = config
+
+    @property
+    def predictor(self) -> LengthPredictor | None:
+        return self.rebalancing.predictor
+
+    @predictor.setter
+    def predictor(self, predictor: LengthPredictor | None) -> None:
+        self.rebalancing.predictor = predictor
+
+    def is_restarting(self, engine_id: str) -> bool:
+        """Is the core restarting this engine (it takes no requests meanwhile)?"""
+        return self.fleet.is_restarting(engine_id)
 
     # -- lifecycle -------------------------------------------------------------
 
     async def start(self) -> None:
         self.started_at = self.clock.now()
-        await asyncio.gather(*(e.start() for e in self.engines.values()))
-        if self._restored_weights is not None:
-            # Restored from a checkpoint: serve its policy version before any work.
-            weights, self._restored_weights = self._restored_weights, None
-            await asyncio.gather(*(e.update_weights(self.policy_version, weights) for e in self.engines.values()))
-            self._last_weights = weights
-        self._dispatcher = asyncio.create_task(self._dispatch_loop(), name="dispatch")
+        await self.fleet.start()
+        # Restored from a checkpoint: serve its policy version before any work.
+        await self.weight_sync.apply_restored()
+        self._tasks.spawn(self._dispatch_loop(), name="dispatch")
         self._wake.set()  # restored work may be waiting
-        self._watcher = asyncio.create_task(self._watch_loop(), name="engine-watch")
+        self._tasks.spawn(self.fleet.watch(self.limits.health_interval_s), name="engine-watch")
         if self.rebalance is not None:
-            self._rebalancer = asyncio.create_task(self._rebalance_loop(), name="rebalance")
+            self._tasks.spawn(self.rebalancing.loop(), name="rebalance")
 
     async def checkpoint(self, state_dir: str) -> None:
         """Stop dispatching, abort what runs (keeping partial responses) and
         save the state for a restarted service (see core/checkpoint.py)."""
         from rollout_service.core import checkpoint
 
-        if self._dispatcher:
-            self._dispatcher.cancel()
+        await self._tasks.cancel_all()
         for req, _ in list(self.running.values()):
             await self.preempt(req)
-        path = await asyncio.to_thread(checkpoint.save, self, state_dir)
+        snapshot = self.snapshot()
+        path = await asyncio.to_thread(checkpoint.save, snapshot, state_dir)
         log.info("saved %d open groups and %d undelivered samples to %s",
-                 len(self.groups), self.delivery.retained, path)
+                 len(snapshot.groups), len(snapshot.entries), path)
 
     def restore(self, state_dir: str) -> bool:
         """Load a checkpoint before start(); returns whether there was one."""
         from rollout_service.core import checkpoint
 
-        return checkpoint.load(self, state_dir)
+        snapshot = checkpoint.load(state_dir)
+        if snapshot is None:
+            return False
+        self.restore_snapshot(snapshot)
+        return True
+
+    def snapshot(self) -> CoreSnapshot:
+        """The core's state (take it with nothing running: see `checkpoint`).
+        Aborted and private groups are not part of it."""
+        return CoreSnapshot(
+            policy_version=self.policy_version,
+            groups=[g for g in self.groups.values() if not g.aborted and g.listener is None],
+            done_group_ids=list(self._done_groups),
+            entries=[DeliveredEntry(e.cursor, e.sample, e.group_complete) for e in self.delivery.entries()],
+            last_cursor=self.delivery.last_cursor,
+            consumers=self.delivery.consumers(),
+            counters=dict(self.counters),
+            weights=self.weight_sync.last,
+        )
+
+    def restore_snapshot(self, snapshot: CoreSnapshot) -> None:
+        """Put a snapshot back into a core that has not started: its open
+        groups' unfinished requests are queued (resumed by re-prefill), its
+        weights applied at start."""
+        self.weight_sync.version = snapshot.policy_version
+        for gid in snapshot.done_group_ids:
+            self._done_groups[gid] = None
+        for group in snapshot.groups:
+            self.queue.extend(r for r in group.requests if r.finish_reason is None)
+            self.groups[group.group_id] = group
+        self.delivery.restore([(e.cursor, e.sample, e.group_complete) for e in snapshot.entries],
+                              snapshot.last_cursor, snapshot.consumers)
+        self.counters.update(snapshot.counters)
+        self.weight_sync.restored = snapshot.weights
 
     async def stop(self) -> None:
-        for task in (self._dispatcher, self._watcher, self._rebalancer):
-            if task:
-                task.cancel()
-        for _, task in list(self.running.values()):
-            task.cancel()
-        await asyncio.gather(*(e.close() for e in self.engines.values()), return_exceptions=True)
+        """Stop every task the core started (awaited), then close the engines."""
+        await self._tasks.cancel_all()
+        await self._runners.cancel_all()
+        await self.fleet.close()
 
     # -- submit ----------------------------------------------------------------
 
@@ -143,7 +223,7 @@ class RolloutCore(FleetMixin, WeightSyncMixin):
         """Enqueue groups; returns (group_id, created) per spec. A known
         group id is not created again (idempotent retries)."""
         new = sum(s.num_samples for s in specs if not self.knows(s.group_id))
-        pending = len(self.queue) + len(self.running)
+        pending = len(self.queue) + len(self.requests)
         if pending + new > self.limits.max_queued_samples:
             raise CoreError(
                 "exhausted",
@@ -185,29 +265,36 @@ class RolloutCore(FleetMixin, WeightSyncMixin):
     # -- dispatch --------------------------------------------------------------
 
     async def _dispatch_loop(self) -> None:
+        first, most = PLACEMENT_RETRY_S
+        backoff = first
         while True:
             await self._wake.wait()
             self._wake.clear()
             try:
                 self.dispatch()
-            except Exception:  # a policy bug must not stop the service
-                log.exception("placement failed")
+            except Exception as exc:  # a policy bug must not stop the service, nor strand the queue
+                self.counters["placement_errors"] += 1
+                self.placement_error = f"{type(exc).__name__}: {exc}"
+                log.exception("placement failed (%d so far); retrying in %.1f s",
+                              self.counters["placement_errors"], backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(2 * backoff, most)
+                if self.queue:
+                    self._wake.set()
+            else:
+                backoff, self.placement_error = first, ""
 
     def dispatch(self) -> None:
+        """Place what the queue holds (raises what placement raises)."""
         if not self.queue:
             return
-        loads = [e.load() for eid, e in self.engines.items() if eid not in self._restarting]
-        # Predicted load per engine: computed once for this placement.
-        self._work_cache, self._dispatching = None, True
-        try:
-            decisions = self.placement.place(self.queue, loads, self.assigned)
-        finally:
-            self._work_cache, self._dispatching = None, False
+        loads = self.fleet.placeable_loads()
+        # Predicted load per engine: computed at most once, for this placement.
+        decisions = self.placement.place(self.queue, loads, self.assigned, LoadView(self.rebalancing.predicted_loads))
         for req, engine_id in decisions:
             self._start(req, self.engines[engine_id])
 
     def _start(self, req: Request, engine: Engine) -> None:
-        req.engine_id = engine.engine_id
         req.segment_start = len(req.token_ids)
         req.segment_version = self.policy_version
         req.attempt += 1
@@ -216,9 +303,8 @@ class RolloutCore(FleetMixin, WeightSyncMixin):
             req.reprefilled_tokens += len(req.group.spec.prompt_token_ids) + len(req.token_ids)
             self.counters["tokens_reprefilled"] += len(req.group.spec.prompt_token_ids) + len(req.token_ids)
         req.engines.append(engine.engine_id)
-        self.assigned[engine.engine_id] += 1
-        task = asyncio.create_task(self._run(req, engine, req.attempt), name=req.request_id)
-        self.running[req.request_id] = (req, task)
+        task = self._runners.spawn(self._run(req, engine, req.attempt), name=req.request_id)
+        self.requests.start(req, engine.engine_id, task)
 
     async def _run(self, req: Request, engine: Engine, attempt: int) -> None:
         def superseded() -> bool:
@@ -247,22 +333,20 @@ class RolloutCore(FleetMixin, WeightSyncMixin):
                 return
             log.warning("request %s failed on %s: %s; re-queued", req.request_id, engine.engine_id, exc)
             self.counters["requests_requeued"] += 1
-            self._release(req, engine.engine_id)
+            self._release(req)
             self._requeue(req)
             return
         if superseded():
             return
-        self._release(req, engine.engine_id)
+        self._release(req)
         if finish is None or finish == FinishReason.ABORTED:
             # The engine stopped it without the core asking (e.g. shut down).
             self._requeue(req)
             return
         self._finish(req, finish)
 
-    def _release(self, req: Request, engine_id: str) -> None:
-        self.running.pop(req.request_id, None)
-        self.assigned[engine_id] -= 1
-        req.engine_id = None
+    def _release(self, req: Request) -> None:
+        self.requests.release(req)
         self._wake.set()
 
     def _requeue(self, req: Request) -> None:
@@ -272,27 +356,42 @@ class RolloutCore(FleetMixin, WeightSyncMixin):
         self._wake.set()
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
+        """Deliver a finished sample. What the optional steps raise (the
+        detokenizer, the predictor, a sample tap) is counted as
+        `finish_errors` and logged; the sample is delivered regardless."""
         req.finished_at = self.clock.now()
         req.finish_reason = reason
         group = req.group
         group.finished += 1
         sample = Sample.from_request(req, reason)
         if group.spec.prompt_text and self.detokenizer is not None:
-            sample.response_text = self.detokenizer.decode(sample.response_token_ids)
+            text = self._guarded("detokenizer", req, self.detokenizer.decode, sample.response_token_ids)
+            sample.response_text = text or ""
         self.counters["samples_completed"] += 1
         self.histograms["sample_latency_seconds"].observe(req.finished_at - req.queued_at)
         if self.predictor is not None:
-            self.predictor.observe(req, len(req.token_ids), group.complete)
+            self._guarded("length predictor", req, self.predictor.observe, req, len(req.token_ids), group.complete)
         self.counters[f"samples_lag_{self.policy_version - sample.versions.min_version}"] += 1
         for tap in self.sample_taps:
-            tap(sample)
-        if group.listener is not None:
-            group.listener.put_nowait(SampleEvent(sample))
-        else:
-            self.delivery.append(sample, group.complete)
+            self._guarded("sample tap", req, tap, sample)
+        self._deliver(group, sample)
         if group.complete:
             self.counters["groups_completed"] += 1
             self._forget(group)
+
+    def _guarded(self, what: str, req: Request, fn, *args):
+        try:
+            return fn(*args)
+        except Exception:
+            self.counters["finish_errors"] += 1
+            log.exception("%s failed while finishing %s; the sample is delivered anyway", what, req.request_id)
+            return None
+
+    def _deliver(self, group: Group, sample: Sample) -> None:
+        if group.listener is not None:
+            group.listener.put_nowait(SampleEvent(sample))
+        else:
+            self.delivery.append(sample, group.finished == group.spec.num_samples)
 
     def _forget(self, group: Group) -> None:
         self.groups.pop(group.group_id, None)
@@ -307,29 +406,23 @@ class RolloutCore(FleetMixin, WeightSyncMixin):
     async def preempt(self, req: Request) -> None:
         """Abort a running request on its engine, keeping its partial response
         (tokens, logprobs, versions) on the request. It is not re-queued."""
-        entry = self.running.get(req.request_id)
-        if entry is None or req.engine_id is None:
+        if req.request_id not in self.requests or req.engine_id is None:
             return
-        engine_id = req.engine_id
-        engine = self.engines[engine_id]
         segment_start = req.segment_start
-        req.engine_id = None  # the runner drops anything it sees from now on
+        engine_id = self.requests.detach(req)  # the runner drops anything it sees from now on
         try:
-            partial = await engine.abort(req.request_id)
+            partial = await self.engines[engine_id].abort(req.request_id)
         except Exception as exc:
             log.warning("abort of %s on %s failed: %s", req.request_id, engine_id, exc)
             partial = None
         if partial is not None:
             # The engine's account of this segment is authoritative: it may hold
-            # tokens the runner had not consumed yet.
-            # Tokens the runner had not seen yet were generated too.
+            # tokens the runner had not consumed yet (generated all the same).
             self.counters["tokens_generated"] += max(0, len(partial.token_ids) - (len(req.token_ids) - segment_start))
             del req.token_ids[segment_start:], req.logprobs[segment_start:]
             req.versions = req.versions.truncated(segment_start)
             req.append(partial.token_ids, partial.logprobs, partial.versions)
-        self.running.pop(req.request_id, None)
-        self.assigned[engine_id] -= 1
-        self._wake.set()
+        self._release(req)
 
     async def migrate(self, req: Request, target: str | None) -> None:
         """Move a running request to another engine: abort with its partial on
@@ -362,33 +455,105 @@ class RolloutCore(FleetMixin, WeightSyncMixin):
             targets = [self.groups[g] for g in group_ids]
         partials: list[Sample] = []
         for group in targets:
-            group.aborted = True
-            ids = {r.request_id for r in group.requests}
-            self.queue = deque(r for r in self.queue if r.request_id not in ids)
-            for req in group.requests:
-                if req.finish_reason is not None:
-                    continue
-                await self.preempt(req)
-                req.finish_reason = FinishReason.ABORTED
-                req.finished_at = self.clock.now()
-                if keep_partial:
-                    partials.append(Sample.from_request(req, FinishReason.ABORTED))
-            self.counters["groups_aborted"] += 1
-            self._forget(group)
+            samples = await self._give_up(group)
+            if keep_partial:
+                partials.extend(samples)
+        self.counters["groups_aborted"] += len(targets)
         return len(targets), partials
+
+    async def _give_up(self, group: Group, drop_reason: str = "") -> list[Sample]:
+        """The one way a group ends unfinished: its unfinished requests are
+        stopped (each keeping its partial response) and marked aborted, and the
+        group is forgotten. With a `drop_reason` (the service gave up on it)
+        their samples are delivered, aborted with that reason, so nothing
+        submitted goes unaccounted for; without one (the client aborted) they
+        are returned instead."""
+        group.aborted = True
+        ids = {r.request_id for r in group.requests}
+        if any(r.request_id in ids for r in self.queue):
+            self.queue = deque(r for r in self.queue if r.request_id not in ids)
+        pending = [r for r in group.requests if r.finish_reason is None]
+        samples = []
+        for req in pending:
+            await self.preempt(req)
+            req.finish_reason = FinishReason.ABORTED
+            req.finished_at = self.clock.now()
+            sample = Sample.from_request(req, FinishReason.ABORTED)
+            if drop_reason:
+                sample.drop_reason = drop_reason
+                group.finished += 1
+                self._deliver(group, sample)
+            samples.append(sample)
+        if drop_reason:
+            self.counters["groups_dropped"] += 1
+            self.counters["samples_dropped"] += len(pending)
+        if self.predictor is not None:
+            self.predictor.forget_group(group.group_id)
+        self._forget(group)
+        return samples
+
+    async def _evacuate(self, engine_id: str) -> None:
+        """Continue elsewhere what runs on `engine_id` (it died)."""
+        for req in self.requests.running_on(engine_id):
+            await self.preempt(req)
+            self._requeue(req)
+
+    # -- weights (see core/weight_sync.py) ------------------------------------------
+
+    def check_weights(self, version: int, manifest) -> None:
+        """CoreError unless `version` is newer than the serving one and the
+        manifest (name -> (dtype, shape)) fits every engine's model."""
+        self.weight_sync.check_weights(version, manifest)
+
+    async def update_weights(self, version: int, weights: StagedWeights) -> int:
+        """Apply verified weights on every live engine at a safe point and
+        carry unfinished work over; returns the serving version (see
+        `WeightSync.update`)."""
+        return await self.weight_sync.update(version, weights, self)
+
+    async def _bring_up(self, engine: Engine) -> None:
+        await self.weight_sync.bring_up(engine)
+
+    # WorkOps, for WeightSync:
+    def unfinished(self) -> list[Request]:
+        return [r for g in self.groups.values() if not g.aborted for r in g.requests if r.finish_reason is None]
+
+    def running_ids(self) -> set[str]:
+        return set(self.running)
+
+    def requeue_front(self, reqs: list[Request]) -> None:
+        """Queue carried requests ahead of new work, keeping their order."""
+        self.queue.extendleft(reversed([r for r in reqs if r.engine_id is None and not r.group.aborted]))
+        self._wake.set()
+
+    async def give_up(self, group: Group, reason: str) -> None:
+        await self._give_up(group, drop_reason=reason)
+
+    # -- length-aware scheduling -----------------------------------------------------
+
+    def predicted_load(self, engine_id: str) -> tuple[float, float]:
+        """Predicted remaining tokens of the requests placed on an engine, and
+        the longest of them."""
+        return self.rebalancing.predicted_loads().get(engine_id, (0.0, 0.0))
+
+    async def rebalance_once(self) -> list[Move]:
+        """Ask the rebalancer for moves on the current snapshot; apply them."""
+        return await self.rebalancing.once()
 
     # -- status --------------------------------------------------------------------
 
     def status(self) -> CoreStatus:
         return CoreStatus(
             policy_version=self.policy_version,
-            engines=[EngineStatus(e.load(), self.assigned[eid]) for eid, e in self.engines.items()],
+            engines=[EngineStatus(e.load(), self.requests.assigned(eid)) for eid, e in self.engines.items()],
             queued_requests=len(self.queue),
-            running_requests=len(self.running),
+            running_requests=len(self.requests),
             open_groups=len(self.groups),
             last_cursor=self.delivery.last_cursor,
             retained_samples=self.delivery.retained,
             scheduler=self.placement.name,
             uptime_s=self.clock.now() - self.started_at,
             counters=dict(self.counters),
+            placement_error=self.placement_error,
+            placement_errors=self.counters["placement_errors"],
         )

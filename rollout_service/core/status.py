@@ -19,10 +19,9 @@ class EngineStatus:
 @dataclass(slots=True, frozen=True)
 class CoreStatus:
     """A snapshot of the core. Counts are requests (samples) or groups as
-    named; `uptime_s` is seconds on the service clock. `placement_errors`
-    counts dispatches to an engine that failed; `placement_error` is the
-    last dispatch's error message, "" once a dispatch succeeds (readiness
-    reads it: not ready while the last dispatch failed)."""
+    named; `uptime_s` is seconds on the service clock. `placement_error` is
+    the last placement error while placement keeps failing ("" once a
+    placement succeeds); `placement_errors` counts every failed placement."""
 
     policy_version: int
     engines: list[EngineStatus]
@@ -34,5 +33,5 @@ class CoreStatus:
     scheduler: str
     uptime_s: float
     counters: dict[str, int] = field(default_factory=dict)
-    placement_errors: int = 0
     placement_error: str = ""
+    placement_errors: int = 0

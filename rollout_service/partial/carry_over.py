@@ -42,15 +42,14 @@ class CarryOverConfig:
 
 @dataclass(slots=True)
 class CarryPlan:
-    preempt: list[Request] = field(default_factory=list)  # abort with partial before the update
-    resume: list[Request] = field(default_factory=list)   # re-queue (front) after it, tokens kept
+    preempt: list[Request] = field(default_factory=list)  # abort with partial before the update; re-queued (front) after it
     restart: list[Request] = field(default_factory=list)  # tokens discarded, re-queued (front)
     drop: list[Group] = field(default_factory=list)       # groups given up (reported, not retried)
 
 
 def plan_carry_over(cfg: CarryOverConfig, unfinished: list[Request], running: set[str], new_version: int) -> CarryPlan:
     """Decide, for the unfinished requests at an update to `new_version`,
-    which are paused, resumed, restarted or dropped. `running` holds the ids
+    which are paused (and resumed after it), restarted or dropped. `running` holds the ids
     of those currently on an engine."""
     plan = CarryPlan()
     oldest_allowed = new_version - cfg.max_version_lag if cfg.max_version_lag >= 0 else None
@@ -75,5 +74,4 @@ def plan_carry_over(cfg: CarryOverConfig, unfinished: list[Request], running: se
                 plan.restart.append(req)
         elif cfg.mode == "pause-resume" and is_running:
             plan.preempt.append(req)
-            plan.resume.append(req)
     return plan

@@ -84,6 +84,7 @@ class LengthPredictor:
             self._fresh.clear()
 
     def forget_group(self, group_id: str) -> None:
+        """Drop a group's state: it was given up before it completed."""
         self._siblings.pop(group_id, None)
         self._fresh.pop(group_id, None)
 
@@ -138,35 +139,12 @@ class LengthPredictor:
         spec = req.group.spec
         return bool(self._siblings.get(spec.group_id)) or bool(spec.prompt_id and spec.prompt_id in self._per_prompt)
 
-    def predict_total(self, req: Request) -> float:
-        """Predicted median total length (for ordering queued work)."""
-        return len(req.token_ids) + self.predict(req).median
+    @property
+    def open_groups(self) -> int:
+        """Groups with per-group state here (a finished sibling or cached
+        candidates): bounded by the groups in flight, since a group's state
+        goes when it completes or is given up (`forget_group`)."""
+        return len(self._siblings.keys() | self._fresh.keys())
 
 
-def spearman(xs: list[float], ys: list[float]) -> float:
-    """Rank correlation of predictions and outcomes (ties get mean ranks)."""
-
-    def ranks(v: list[float]) -> list[float]:
-        order = sorted(range(len(v)), key=v.__getitem__)
-        r = [0.0] * len(v)
-        i = 0
-        while i < len(order):
-            j = i
-            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
-                j += 1
-            for k in range(i, j + 1):
-                r[order[k]] = (i + j) / 2
-            i = j + 1
-        return r
-
-    if len(xs) < 2:
-        return 0.0
-    rx, ry = ranks(xs), ranks(ys)
-    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
-    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
-    vx = sum((a - mx) ** 2 for a in rx) ** 0.5
-    vy = sum((b - my) ** 2 for b in ry) ** 0.5
-    return cov / (vx * vy) if vx and vy else 0.0
-
-
-__all__ = ["LengthEstimate", "LengthPredictor", "spearman"]
+__all__ = ["LengthEstimate", "LengthPredictor"]

@@ -1,10 +1,11 @@
 """Placement: which engine each queued request goes to.
 
-A placement policy is a pure function of the queue and a snapshot of engine
-loads: it pops the requests it places from the head of the queue and returns
-(request, engine_id) decisions. The core applies them; nothing here awaits.
-`assigned[engine_id]` counts the requests the service has placed on an
-engine and not yet seen finish.
+A placement policy decides from the queue, a snapshot of engine loads, the
+in-flight counts (`assigned[engine_id]`: requests the service has placed on
+an engine and not yet seen finish) and the predicted load in flight
+(`LoadView`, for the length-aware policies): it pops the requests it places
+from the queue and returns (request, engine_id) decisions. The core applies
+them; nothing here awaits.
 
 The baselines reproduce how the systems the service is measured against
 spread a step's samples over their engines (each engine then batches
@@ -20,17 +21,42 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict, deque
-from typing import Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Protocol, Sequence
 
 from rollout_service.engines.types import EngineLoad
 from rollout_service.lifecycle.types import Request
 
+if TYPE_CHECKING:
+    from rollout_service.scheduling.length_predictor import LengthPredictor
+
+
+class LoadView:
+    """The predicted load in flight on each engine: (remaining tokens,
+    longest remaining response) of the requests placed there. Made for one
+    placement call; `compute` (every engine at once) runs at most once, on
+    the first look-up. With no `compute`, every engine is idle."""
+
+    def __init__(self, compute: Callable[[], Mapping[str, tuple[float, float]]] | None = None) -> None:
+        self._compute = compute
+        self._loads: Mapping[str, tuple[float, float]] | None = None
+
+    @classmethod
+    def of(cls, loads: Mapping[str, tuple[float, float]]) -> "LoadView":
+        return cls(lambda: loads)
+
+    def __call__(self, engine_id: str) -> tuple[float, float]:
+        if self._loads is None:
+            self._loads = self._compute() if self._compute is not None else {}
+        return self._loads.get(engine_id, (0.0, 0.0))
+
 
 class Placement(Protocol):
     name: str
+    predictor: "LengthPredictor | None"  # the length predictor it places by (the core's too), if any
 
     def place(
-        self, queue: deque[Request], loads: Sequence[EngineLoad], assigned: Mapping[str, int]
+        self, queue: deque[Request], loads: Sequence[EngineLoad], assigned: Mapping[str, int],
+        in_flight: LoadView | None = None,
     ) -> list[tuple[Request, str]]:
         """Pop placeable requests from `queue`; return where each one runs."""
 
@@ -50,11 +76,12 @@ class LeastAssigned:
     """
 
     name = "least-assigned"
+    predictor = None
 
     def __init__(self, cap_at_max_seqs: bool = False) -> None:
         self.cap_at_max_seqs = cap_at_max_seqs
 
-    def place(self, queue, loads, assigned):
+    def place(self, queue, loads, assigned, in_flight=None):
         engines = _ready(loads)
         heap = [(assigned.get(l.engine_id, 0), i) for i, l in enumerate(engines)]
         heapq.heapify(heap)
@@ -75,11 +102,12 @@ class StaticSplit:
     its prompt. Decided once per batch, whatever the engines' loads."""
 
     name = "static"
+    predictor = None
 
     def __init__(self) -> None:
         self._offset = 0  # where the next batch's first chunk goes
 
-    def place(self, queue, loads, assigned):
+    def place(self, queue, loads, assigned, in_flight=None):
         engines = _ready(loads)
         if not engines or not queue:
             return []
@@ -115,13 +143,14 @@ class StickyRoundRobin:
     the next engine in turn."""
 
     name = "sticky-rr"
+    predictor = None
 
     def __init__(self, remembered_groups: int = 100_000) -> None:
         self._next = 0
         self._home: OrderedDict[str, str] = OrderedDict()
         self._limit = remembered_groups
 
-    def place(self, queue, loads, assigned):
+    def place(self, queue, loads, assigned, in_flight=None):
         ids = [l.engine_id for l in _ready(loads)]
         if not ids:
             return []
@@ -141,29 +170,38 @@ class StickyRoundRobin:
         return out
 
 
-def _length_aware():
+def _length_aware() -> Placement:
     from rollout_service.scheduling.length_aware import LengthAwarePlacement
 
     return LengthAwarePlacement()
 
 
-PLACEMENTS = {p.name: p for p in (LeastAssigned, StaticSplit, StickyRoundRobin)}
-PLACEMENTS["length-aware"] = _length_aware  # longest predicted first, least predicted work (LPT)
+def _length_packed() -> Placement:
+    from rollout_service.scheduling.length_aware import LengthPackedPlacement
+
+    return LengthPackedPlacement()
 
 
-def _length_packed():
-    from rollout_service.scheduling.length_aware import LengthAwarePlacement
+#: name -> factory of every placement the service offers.
+PLACEMENTS: Mapping[str, Callable[[], Placement]] = {
+    LeastAssigned.name: LeastAssigned,
+    StaticSplit.name: StaticSplit,
+    StickyRoundRobin.name: StickyRoundRobin,
+    "length-aware": _length_aware,  # longest predicted first, least predicted makespan (LPT)
+    "length-packed": _length_packed,  # engines of like predicted lengths
+}
 
-    placement = LengthAwarePlacement(pack=True)
-    placement.name = "length-packed"
-    return placement
+
+def placement_names(extra: Mapping[str, Callable[[], Placement]] | None = None) -> list[str]:
+    return sorted({**PLACEMENTS, **(extra or {})})
 
 
-PLACEMENTS["length-packed"] = _length_packed  # engines of like predicted lengths
-
-
-def make_placement(name: str) -> Placement:
+def make_placement(name: str, extra: Mapping[str, Callable[[], Placement]] | None = None) -> Placement:
+    """A new placement by name, from `PLACEMENTS` or `extra` (e.g. the load
+    tests' clairvoyant references); ValueError naming the choices."""
+    table = {**PLACEMENTS, **(extra or {})}
     try:
-        return PLACEMENTS[name]()
+        factory = table[name]
     except KeyError:
-        raise ValueError(f"unknown placement policy {name!r}; choose from {sorted(PLACEMENTS)}") from None
+        raise ValueError(f"unknown placement policy {name!r}; choose from {sorted(table)}") from None
+    return factory()

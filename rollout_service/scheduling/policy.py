@@ -1,34 +1,43 @@
 """Policy names: a placement plus the mechanisms switched on for a run.
 
 A policy is written as `+`-joined parts, e.g. `sticky-rr`,
-`rebalance+partial+spec` or `static+rebalance`: at most one placement (from
-`PLACEMENTS`; `DEFAULT_PLACEMENT` when none is named) and any of the
-registered mechanisms (`MECHANISMS`: rebalancing, partial rollout, the
-drafter...), each of which registers its name here when it is built.
+`rebalance+partial` or `static+rebalance`: at most one placement (from the
+placements table; `DEFAULT_PLACEMENT` when none is named) and any of the
+mechanisms of the mechanisms table. Both tables are arguments: callers with
+their own vocabulary (the load tests' oracle placements, the drafter's
+mechanisms) pass theirs; the defaults are `PLACEMENTS` and `MECHANISMS`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping
 
 from rollout_service.scheduling.placement import PLACEMENTS
 
 DEFAULT_PLACEMENT = "least-assigned"
 
-#: mechanism name -> one-line description; filled in by the modules that implement them.
-MECHANISMS: dict[str, str] = {}
+#: mechanism name -> one-line description: the scheduling side's own.
+MECHANISMS: Mapping[str, str] = {
+    "rebalance": "length-aware placement and rebalancing with partial-rollout migration",
+    "isolate": "rebalancing also moves co-runners off the engines whose longest response may end the step",
+    "repack": "rebalancing also regroups in-flight requests onto engines of like predicted lengths",
+    "partial": "partial rollout: over-provisioned steps, unfinished groups carried into the next version",
+}
+
+# Compatibility: mechanisms named by `register_mechanism` (drafter/__init__.py
+# still calls it) are accepted by default too. New code passes `mechanisms=`.
+_REGISTERED: dict[str, str] = {}
 
 
 def register_mechanism(name: str, description: str) -> None:
-    """Make `name` valid in policy names (e.g. "rebalance")."""
+    """Deprecated: pass `mechanisms=` to `parse_policy` instead."""
     if name in PLACEMENTS:
         raise ValueError(f"{name!r} is already a placement policy")
-    MECHANISMS[name] = description
+    _REGISTERED[name] = description
 
 
-register_mechanism("rebalance", "length-aware placement and rebalancing with partial-rollout migration")
-register_mechanism("isolate", "rebalancing also moves co-runners off the engines whose longest response may end the step")
-register_mechanism("repack", "rebalancing also regroups in-flight requests onto engines of like predicted lengths")
-register_mechanism("partial", "partial rollout: over-provisioned steps, unfinished groups carried into the next version")
+def default_mechanisms() -> dict[str, str]:
+    return {**MECHANISMS, **_REGISTERED}
 
 
 @dataclass(slots=True, frozen=True)
@@ -45,41 +54,45 @@ class PolicySpec:
         return mechanism in self.mechanisms
 
 
-def _known() -> str:
-    mech = sorted(MECHANISMS) or "none registered yet"
-    return f"placements: {sorted(PLACEMENTS)}; mechanisms: {mech}"
+def _known(placements: Mapping, mechanisms: Mapping) -> str:
+    return f"placements: {sorted(placements)}; mechanisms: {sorted(mechanisms)}"
 
 
-def parse_policy(text: str) -> PolicySpec:
+def parse_policy(text: str, placements: Mapping | None = None, mechanisms: Mapping[str, str] | None = None) -> PolicySpec:
     """`"sticky-rr"`, `"rebalance+partial"` -> PolicySpec; unknown, repeated
-    or conflicting parts are a ValueError naming the part."""
+    or conflicting parts are a ValueError naming the part. `placements` (name
+    -> factory) and `mechanisms` (name -> description) are the vocabulary
+    (default: `PLACEMENTS` and `default_mechanisms()`)."""
+    placements = PLACEMENTS if placements is None else placements
+    mechanisms = default_mechanisms() if mechanisms is None else mechanisms
     parts = [p.strip() for p in text.strip().split("+")]
     if not text.strip() or any(not p for p in parts):
-        raise ValueError(f"empty policy name in {text!r}; {_known()}")
+        raise ValueError(f"empty policy name in {text!r}; {_known(placements, mechanisms)}")
     placement = None
-    mechanisms: list[str] = []
+    chosen: list[str] = []
     for part in parts:
-        if part in PLACEMENTS:
+        if part in placements:
             if placement is not None:
                 raise ValueError(f"policy {text!r} names two placements ({placement!r} and {part!r}); pick one")
             placement = part
-        elif part in MECHANISMS:
-            if part in mechanisms:
+        elif part in mechanisms:
+            if part in chosen:
                 raise ValueError(f"policy {text!r} names {part!r} twice")
-            mechanisms.append(part)
+            chosen.append(part)
         else:
-            raise ValueError(f"unknown policy {part!r} in {text!r}; {_known()}")
+            raise ValueError(f"unknown policy {part!r} in {text!r}; {_known(placements, mechanisms)}")
     for part in ("isolate", "repack"):
-        if part in mechanisms and "rebalance" not in mechanisms:
+        if part in chosen and "rebalance" not in chosen:
             raise ValueError(f"policy {text!r}: {part!r} is part of rebalancing; write 'rebalance+{part}'")
-    if placement is None and "rebalance" in mechanisms:
+    if placement is None and "rebalance" in chosen:
         placement = "length-aware"  # rebalancing places by predicted length too
-    return PolicySpec(placement or DEFAULT_PLACEMENT, tuple(mechanisms))
+    return PolicySpec(placement or DEFAULT_PLACEMENT, tuple(chosen))
 
 
-def parse_policies(text: str) -> list[PolicySpec]:
+def parse_policies(text: str, placements: Mapping | None = None,
+                   mechanisms: Mapping[str, str] | None = None) -> list[PolicySpec]:
     """A comma-separated list of policies, each as in `parse_policy`."""
-    specs = [parse_policy(p) for p in text.split(",") if p.strip()]
+    specs = [parse_policy(p, placements, mechanisms) for p in text.split(",") if p.strip()]
     if not specs:
-        raise ValueError(f"no policy given; {_known()}")
+        raise ValueError(f"no policy given; {_known(PLACEMENTS if placements is None else placements, mechanisms or default_mechanisms())}")
     return specs

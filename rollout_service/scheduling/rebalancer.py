@@ -1,48 +1,34 @@
 """Rebalancing with partial-rollout migration (a pure decision function).
 
-When an engine drains (few requests, little KV in use, nothing waiting)
-while another engine is predicted to run much longer, move requests from the
-loaded engine to the drained one: abort with the partial response on the
-source, continue from the same prefix on the target (re-prefill).
+`plan_moves(cfg, engines, requests, now)` returns the moves for one tick,
+the same for the same snapshot:
 
-An engine's predicted time left is counted in decode steps of a lone
-sequence (`predicted_time`): the steps it still needs (its longest predicted
-remaining response, and no fewer than its remaining tokens over `max_seqs`
-or its remaining KV load over its KV capacity), plus what each step costs on
-top for every sequence in it (`per_sequence_cost`) and for every context
-token (`per_context_token_cost`), plus the prefills that moves add
-(`prefill_cost` per token). A move must pay for itself in that model: it has
-to shorten the longer of the two engines' predicted times by `min_gain`,
-counting the prefill of the moved request's context on the target. Among
-equally good moves, a request that has not produced a token on its engine yet
-(waiting there, or in its first steps: the service cannot tell which, so no
-saving is counted on the source) goes first: it loses no generated work. A
-started request is moved only if its predicted remaining decode outweighs
-the re-prefill of its context, never when it is about to finish, never more
-than `max_migrations` times, and never straight back to an engine it just
-left.
+1. Filling drained engines: when an engine drains (few requests, little KV
+   in use, nothing waiting) while another is predicted to run at least
+   `imbalance_ratio` times longer, requests move from the loaded engine to
+   the drained one (abort with the partial response on the source, continue
+   from the same prefix on the target: re-prefill). A move must shorten the
+   larger of the two engines' predicted times (scheduling/cost_model.py) by
+   `min_gain`, counting the re-prefill of its context on the target; among
+   equally good moves, one that has not produced a token on its engine yet
+   goes first.
+2. Otherwise, with `repack`, regrouping in-flight requests onto engines of
+   like predicted lengths (`repack`).
+3. Otherwise, with `isolate_tail`, moving the co-runners off the engines
+   whose longest response may end the step (`isolate_tail`): to an engine
+   with a free slot, else to the head of the service's queue (`target` None).
 
-Isolating the tail. A step ends with its longest response, and that
-response runs slower in a full batch (every sequence in a step makes the
-step longer): the PolyTrace replays' longest responses are lone outliers in
-groups whose other samples are short, so nothing tells them apart at
-placement. Once the predictor sees one running past what its siblings and
-the prompt's history produced (its prediction then grows with what it has
-generated), its engine becomes the fleet's predicted maximum; when moving
-that engine's other requests away would shorten the predicted makespan by
-`min_gain` (the tail then runs in a small batch, the moved requests are
-re-prefilled elsewhere and every other engine still ends before the tail),
-they move: to an engine with a free slot where one has the room, else back
-to the head of the service's queue (`target` None), from where placement
-sends them wherever a slot frees first. Placement's hold rule keeps new
-work off the tail's engine while it is the predicted maximum. Off by
-default (`isolate_tail`): it pays only when the predictions of a running
-response's remaining length are reliable, which on the PolyTrace replays
-they are not (docs/benchmarks.md, "The service's variants").
+A request moves only if `movable`: not about to finish, at most
+`max_migrations` times, not within `cooldown_s` of its last move, never
+straight back to the engine it just left, and (once started) only if its
+predicted remaining decode outweighs the re-prefill of its context.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from rollout_service.scheduling.cost_model import CostModel
+from rollout_service.scheduling.search import least_feasible
 
 
 @dataclass(slots=True)
@@ -62,6 +48,10 @@ class RebalanceConfig:
     cooldown_s: float = 1.0  # a moved request stays put at least this long
     isolate_tail: bool = False  # move co-runners off the engines whose longest response may end the step
     repack: bool = False  # regroup in-flight requests onto engines of like predicted lengths
+
+    def cost_model(self) -> CostModel:
+        """The cost model these settings configure (scheduling/cost_model.py)."""
+        return CostModel(self.per_sequence_cost, self.per_context_token_cost, self.prefill_cost)
 
 
 @dataclass(slots=True)
@@ -116,18 +106,14 @@ def is_drained(cfg: RebalanceConfig, engine: EngineView) -> bool:
 def predicted_time(cfg: RebalanceConfig, engine: EngineView, requests: list[RequestView],
                    reprefill: int = 0) -> float:
     """Predicted time until `engine` finishes `requests`, in decode steps of a
-    lone sequence, plus the prefill of `reprefill` tokens."""
+    lone sequence, plus the prefill of `reprefill` tokens (`CostModel.time`)."""
+    cost = cfg.cost_model()
     if not requests:
-        return cfg.prefill_cost * reprefill
+        return cost.time(0.0, 0.0, engine.max_seqs, prefill_tokens=reprefill)
     remaining = [max(0.0, r.remaining) for r in requests]
-    tokens = sum(remaining)
     # KV load left: each step holds every running request's context.
     kv_load = sum(x * r.context_tokens + x * x / 2 for x, r in zip(remaining, requests))
-    steps = max(max(remaining), tokens / max(1, engine.max_seqs))
-    if engine.kv_capacity > 0:
-        steps = max(steps, kv_load / engine.kv_capacity)
-    return (steps + cfg.per_sequence_cost * tokens + cfg.per_context_token_cost * kv_load
-            + cfg.prefill_cost * reprefill)
+    return cost.time(max(remaining), sum(remaining), engine.max_seqs, kv_load, engine.kv_capacity, reprefill)
 
 
 def plan_moves(cfg: RebalanceConfig, engines: list[EngineView], requests: list[RequestView], now: float) -> list[Move]:
@@ -172,8 +158,7 @@ def plan_moves(cfg: RebalanceConfig, engines: list[EngineView], requests: list[R
 
 def repack(cfg: RebalanceConfig, ready: list[_Load], now: float) -> list[Move]:
     """Moves that regroup the in-flight requests onto engines of like
-    predicted lengths (the packing of `LengthAwarePlacement`, module
-    docstring there): the least predicted makespan T for which the requests,
+    predicted lengths (the packing of `LengthPackedPlacement`): the least predicted makespan T for which the requests,
     longest predicted first, fit first-fit onto the engines (those running
     the longest responses first), if T is `min_gain` below the current
     predicted makespan after the moved requests' re-prefill. Only requests
@@ -238,21 +223,6 @@ def _best_candidate(cfg: RebalanceConfig, source: _Load, target: _Load,
         if best_key is None or key < best_key:
             best, best_key = (r, source_time, target_time), key
     return best
-
-
-def least_feasible(attempt, lo: float, hi: float, rounds: int = 30):
-    """Bisection for the least T in (lo, hi] where `attempt(T)` is not None
-    (it must not be at `hi`, and once feasible stays so as T grows):
-    (T, attempt(T))."""
-    best = attempt(hi)
-    for _ in range(rounds):
-        mid = (lo + hi) / 2
-        got = attempt(mid)
-        if got is None:
-            lo = mid
-        else:
-            hi, best = mid, got
-    return hi, best
 
 
 def movable(cfg: RebalanceConfig, r: RequestView, target: str | None, now: float) -> bool:

@@ -1,0 +1,32 @@
+"""The load tests' policy vocabulary: the service's placements and
+mechanisms, plus the clairvoyant reference placements (load_tests/oracle.py)
+and the drafter's speculation mechanisms."""
+from __future__ import annotations
+
+from load_tests.oracle import ORACLE_PLACEMENTS
+from rollout_service.scheduling import placement as _placement
+from rollout_service.scheduling import policy as _policy
+from rollout_service.scheduling.placement import Placement
+from rollout_service.scheduling.policy import PolicySpec
+
+#: Speculation mechanisms (their `[engine.spec]` is `drafter.runtime.MECHANISM_SPECS`).
+SPEC_MECHANISMS = {
+    "spec": "speculative decoding in the tail with the online-trained drafter and the depth tuner",
+    "spec-frozen": "speculative decoding in the tail with the bundled drafter, never retrained (baseline)",
+    "spec-ngram": "speculative decoding in the tail with n-gram (prompt lookup) drafts and the depth tuner",
+}
+
+PLACEMENTS = {**_placement.PLACEMENTS, **ORACLE_PLACEMENTS}
+MECHANISMS = {**_policy.MECHANISMS, **SPEC_MECHANISMS}
+
+
+def parse_policy(text: str) -> PolicySpec:
+    return _policy.parse_policy(text, PLACEMENTS, MECHANISMS)
+
+
+def parse_policies(text: str) -> list[PolicySpec]:
+    return _policy.parse_policies(text, PLACEMENTS, MECHANISMS)
+
+
+def make_placement(name: str) -> Placement:
+    return _placement.make_placement(name, extra=ORACLE_PLACEMENTS)
