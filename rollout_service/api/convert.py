@@ -6,7 +6,7 @@ from rollout_proto import rollout_pb2 as pb
 from rollout_service.core.status import CoreStatus, EngineStatus
 from rollout_service.lifecycle.types import Sample
 from rollout_service.engines.weights import TensorSpec
-from rollout_service.engines.spec import depth_buckets
+from rollout_service.drafter.status import SpecStatus
 
 
 def sample_to_pb(s: Sample) -> pb.Sample:
@@ -52,7 +52,7 @@ def engine_status(e: EngineStatus) -> pb.EngineStatus:
     )
 
 
-def status_to_pb(st: CoreStatus, model: str, spec: dict | None = None) -> pb.StatusResponse:
+def status_to_pb(st: CoreStatus, model: str, spec: SpecStatus | None = None) -> pb.StatusResponse:
     return pb.StatusResponse(
         policy_version=st.policy_version,
         engines=[engine_status(e) for e in st.engines],
@@ -65,37 +65,34 @@ def status_to_pb(st: CoreStatus, model: str, spec: dict | None = None) -> pb.Sta
         counters={k: float(v) for k, v in st.counters.items()},
         uptime_s=st.uptime_s,
         model=model,
-        spec=spec_status_to_pb(spec) if spec else None,
+        spec=spec_status_to_pb(spec) if spec is not None else None,
     )
 
 
-def spec_status_to_pb(st: dict) -> pb.SpecStatus:
-    """`SpecRuntime.status()` -> SpecStatus (engines that speculate only)."""
-    trainer = st.get("trainer") or {}
+def spec_status_to_pb(st: SpecStatus) -> pb.SpecStatus:
+    """The drafter runtime's status -> SpecStatus (engines that speculate only)."""
     engines = []
-    for eid, e in sorted(st.get("engines", {}).items()):
-        if e.get("method", "off") == "off":
+    for eid, e in sorted(st.engines.items()):
+        if not e.enabled:
             continue
-        tuner = e.get("tuner") or {}
         buckets = [
             pb.SpecDepthBucket(
-                min_batch=b["batch"][0], max_batch=b["batch"][1], num_speculative_tokens=b["k"], best_k=b["best_k"],
-                tokens_per_s_per_seq={int(k): v for k, v in b["tokens_per_s_per_seq"].items()},
-                observations={int(k): v for k, v in b["observations"].items()},
+                min_batch=b.min_batch, max_batch=b.max_batch, num_speculative_tokens=b.k, best_k=b.best_k,
+                tokens_per_s_per_seq={int(k): v for k, v in b.tokens_per_s_per_seq.items()},
+                observations={int(k): v for k, v in b.observations.items()},
             )
-            for b in depth_buckets(e)
+            for b in e.buckets
         ]
         engines.append(pb.SpecEngineStatus(
-            engine_id=eid, method=e["method"], max_k=e.get("max_k", 0), draft_version=e.get("draft_version", 0),
-            steps=e.get("steps", 0), draft_tokens=round(e.get("draft_tokens", 0)),
-            accepted_tokens=round(e.get("accepted_tokens", 0)),  # the simulated engine counts expectations
-            mean_acceptance_length=e.get("mean_acceptance_length", 1.0),
-            acceptance_by_position=e.get("acceptance_by_position", []), buckets=buckets,
-            tuner_decisions=tuner.get("decisions", 0), tuner_explorations=tuner.get("explorations", 0),
+            engine_id=eid, method=e.method, max_k=e.max_k, draft_version=e.draft_version,
+            steps=e.steps, draft_tokens=round(e.draft_tokens),
+            accepted_tokens=round(e.accepted_tokens),  # the simulated engine counts expectations
+            mean_acceptance_length=e.mean_acceptance_length,
+            acceptance_by_position=e.acceptance_by_position, buckets=buckets,
+            tuner_decisions=e.tuner.decisions if e.tuner else 0,
+            tuner_explorations=e.tuner.explorations if e.tuner else 0,
         ))
     return pb.SpecStatus(
-        method=st.get("method", ""), tune=bool(st.get("tune")), train=bool(st.get("train")),
-        draft_version=max([st.get("draft_version", 0), trainer.get("draft_version", 0)] + [e.draft_version for e in engines]),
-        trained_on_policy_version=trainer.get("trained_on_policy_version", 0),
-        trainer_rounds=trainer.get("rounds", 0), engines=engines,
+        method=st.method, tune=st.tune, train=st.train, draft_version=st.draft_version,
+        trained_on_policy_version=st.trained_on_policy_version, trainer_rounds=st.trainer_rounds, engines=engines,
     )

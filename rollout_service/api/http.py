@@ -50,7 +50,7 @@ def make_app(core: RolloutCore, openai: "OpenAIFrontEnd | None" = None,
             for e in snapshot.engines
         ]
         if spec_runtime is not None:
-            st["spec"] = spec_runtime.status()
+            st["spec"] = spec_runtime.status().to_dict()
         return web.json_response(st)
 
     app = web.Application()

@@ -15,7 +15,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from rollout_service.core.rollout import RolloutCore
 from rollout_service.core.status import CoreStatus
-from rollout_service.engines.spec import depth_buckets
+from rollout_service.drafter.status import SpecStatus
 
 if TYPE_CHECKING:
     from rollout_service.drafter.runtime import SpecRuntime
@@ -119,13 +119,11 @@ def core_families(st: CoreStatus) -> Iterator[Metric]:
 
 
 # -- speculative decoding ---------------------------------------------------------
-# `SpecRuntime.status()` is read as a dict here, in this one function; when it
-# becomes a typed status, only this function changes.
 
-def spec_families(spec: dict) -> Iterator[Metric]:
+def spec_families(spec: SpecStatus) -> Iterator[Metric]:
     """Speculative decoding per engine: drafted/accepted tokens, acceptance
     length and by position, the depth in force and the tuner's measurements."""
-    engines = {eid: e for eid, e in spec.get("engines", {}).items() if e.get("method", "off") != "off"}
+    engines = {eid: e for eid, e in spec.engines.items() if e.enabled}
     for name, key, kind, help_ in (
         ("spec_draft_tokens", "draft_tokens", CounterMetricFamily, "Tokens proposed by the drafter."),
         ("spec_accepted_tokens", "accepted_tokens", CounterMetricFamily, "Proposed tokens the target accepted."),
@@ -135,7 +133,7 @@ def spec_families(spec: dict) -> Iterator[Metric]:
     ):
         family = kind(f"rollout_{name}", help_, labels=["engine"])
         for eid, e in engines.items():
-            family.add_metric([eid], e.get(key, 0))
+            family.add_metric([eid], getattr(e, key))
         yield family
     by_position = GaugeMetricFamily("rollout_spec_acceptance_by_position",
                                     "Fraction of drafts accepted at each position.", labels=["engine", "position"])
@@ -144,11 +142,11 @@ def spec_families(spec: dict) -> Iterator[Metric]:
     rate = GaugeMetricFamily("rollout_spec_tokens_per_s_per_seq", "The depth tuner's measured accepted tokens per "
                              "second per sequence, per batch bucket and depth k.", labels=["engine", "batch", "k"])
     for eid, e in engines.items():
-        for i, v in enumerate(e.get("acceptance_by_position", [])):
+        for i, v in enumerate(e.acceptance_by_position):
             by_position.add_metric([eid, str(i + 1)], v)
-        for b in depth_buckets(e):
-            batch = f'{b["batch"][0]}-{b["batch"][1]}'
-            depth.add_metric([eid, batch], b["k"])
-            for k, v in b["tokens_per_s_per_seq"].items():
+        for b in e.buckets:
+            batch = f"{b.min_batch}-{b.max_batch}"
+            depth.add_metric([eid, batch], b.k)
+            for k, v in b.tokens_per_s_per_seq.items():
                 rate.add_metric([eid, batch, str(k)], v)
     yield from (by_position, depth, rate)
