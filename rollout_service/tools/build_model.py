@@ -170,6 +170,7 @@ def build(out: str | Path, preset: str | None = None, layers: int | None = None,
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = out_dir / (WEIGHTS_FILE + ".tmp")
     save_file(tensors, str(tmp), metadata={"format": "pt"})
+    tmp.chmod(0o644)  # the writer creates it owner-only; engines may run as another user
     tmp.replace(out_dir / WEIGHTS_FILE)
     del tensors
     (out_dir / "config.json").write_text(json.dumps(padded_config(config, n, m), indent=2) + "\n")
