@@ -10,7 +10,8 @@ enforce_eager, VLLM_CPU_KVCACHE_SPACE=1, bound to core `--cores` (default 0,
 VLLM_CPU_OMP_THREADS_BIND). B random 16-token prompts decode greedily with
 the end token ignored, `--tokens` (256) and then `--short` (32) tokens; the
 step time is the difference divided by the extra tokens (prefill cancels),
-and the wall time per token of the long run is shown beside it. Other work
+and the wall time per token of the long run is shown beside it (with
+`--repeats N`, the fastest of N runs of each). Other work
 on the machine inflates the figures, so the load average is printed too.
 """
 from __future__ import annotations
@@ -41,6 +42,9 @@ def worker(args) -> dict:
     rng = np.random.default_rng(0)
 
     def timed(b: int, tokens: int) -> float:
+        return min(once(b, tokens) for _ in range(args.repeats))
+
+    def once(b: int, tokens: int) -> float:
         prompts = [{"prompt_token_ids": rng.integers(3, config["vocab_size"], size=PROMPT_LEN).tolist()}
                    for _ in range(b)]
         sp = SamplingParams(temperature=0.0, max_tokens=tokens, min_tokens=tokens, ignore_eos=True)
@@ -50,7 +54,7 @@ def worker(args) -> dict:
         assert all(len(o.outputs[0].token_ids) == tokens for o in outs)
         return elapsed
 
-    timed(2, 8)  # warm-up
+    once(2, 8)  # warm-up
     rows = []
     for b in batches:
         long, short = timed(b, args.tokens), timed(b, args.short)
@@ -63,13 +67,15 @@ def worker(args) -> dict:
 def run_model(label: str, path: str, batches: str, args) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, __file__, "--worker", path, "--batches", batches, "--tokens", str(args.tokens),
-           "--short", str(args.short), "--cores", args.cores]
-    print(f"measuring {label} ({path}) at batch {batches} ...", flush=True)
+           "--short", str(args.short), "--cores", args.cores, "--repeats", str(args.repeats)]
+    load = os.getloadavg()[0]
+    print(f"measuring {label} ({path}) at batch {batches} (load average {load:.2f}) ...", flush=True)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode or not lines:
         raise RuntimeError(f"{label} failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return {"model": label, "path": path, **json.loads(lines[-1][len("RESULT "):])}
+    return {"model": label, "path": path, **json.loads(lines[-1][len("RESULT "):]),
+            "load_average_1m": [load, os.getloadavg()[0]]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--short", type=int, default=32)
     ap.add_argument("--cores", default="0", help="VLLM_CPU_OMP_THREADS_BIND")
+    ap.add_argument("--repeats", type=int, default=1, help="time each run this many times, keep the fastest "
+                                                             "(other work on the machine only ever slows a run)")
     ap.add_argument("--no-bundled", action="store_true", help="skip the bundled (unpadded) target's reference row")
     ap.add_argument("--report", help="directory to write padded_target.json into")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -107,11 +115,13 @@ def main(argv: list[str] | None = None) -> int:
             results.append(run_model("bundled", str(tiny_model_path()), args.batches, args))
     load_after = os.getloadavg()
 
-    print(f"\n{'model':<10}{'layers':>7}{'interm.':>9}{'batch':>7}{'ms/step':>10}{'wall ms/tok':>13}{'tokens/s':>10}")
+    print(f"\n{'model':<10}{'layers':>7}{'interm.':>9}{'batch':>7}{'ms/step':>10}{'wall ms/tok':>13}{'tokens/s':>10}"
+          f"{'load 1m':>14}")
     for r in results:
         for row in r["rows"]:
             print(f"{r['model']:<10}{r['layers']:>7}{r['intermediate_size']:>9}{row['batch']:>7}{row['step_ms']:>10.2f}"
-                  f"{row['wall_ms_per_step']:>13.2f}{row['tokens_per_s']:>10.1f}")
+                  f"{row['wall_ms_per_step']:>13.2f}{row['tokens_per_s']:>10.1f}"
+                  f"{'%.1f-%.1f' % tuple(r['load_average_1m']):>14}")
     padded = {row["batch"]: row for row in results[0]["rows"]}
     draft = results[1]["rows"][0]
     b1, bmax = padded[min(padded)], padded[max(padded)]
@@ -126,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average before {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}, "
           f"after {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f} ({os.cpu_count()} cores)")
     report = {"padded": summary, "results": results, "ratios": ratios, "tokens": args.tokens, "short": args.short,
+              "repeats": args.repeats,
               "cores": args.cores, "load_average_before": load_before, "load_average_after": load_after,
               "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
     if args.report:
