@@ -70,7 +70,7 @@ def run_model(label: str, path: str, batches: str, args) -> dict:
            "--short", str(args.short), "--cores", args.cores, "--repeats", str(args.repeats)]
     load = os.getloadavg()[0]
     print(f"measuring {label} ({path}) at batch {batches} (load average {load:.2f}) ...", flush=True)
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode or not lines:
         raise RuntimeError(f"{label} failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         for row in r["rows"]:
             print(f"{r['model']:<10}{r['layers']:>7}{r['intermediate_size']:>9}{row['batch']:>7}{row['step_ms']:>10.2f}"
                   f"{row['wall_ms_per_step']:>13.2f}{row['tokens_per_s']:>10.1f}"
-                  f"{'%.1f-%.1f' % tuple(r['load_average_1m']):>14}")
+                  f"{'{:.1f}-{:.1f}'.format(*r['load_average_1m']):>14}")
     padded = {row["batch"]: row for row in results[0]["rows"]}
     draft = results[1]["rows"][0]
     b1, bmax = padded[min(padded)], padded[max(padded)]

@@ -28,8 +28,8 @@ import json
 import shutil
 import time
 from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from rollout_service.assets import tiny_model_path
 
