@@ -27,8 +27,8 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from rollout_service.assets import tiny_model_path
