@@ -1,4 +1,4 @@
-"""`rollout-service serve | status | demo`."""
+"""`rollout-service serve | status | demo | build-model`."""
 from __future__ import annotations
 
 import argparse
@@ -91,6 +91,29 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return asyncio.run(run_demo(cfg, groups=args.groups, samples=args.samples, max_tokens=args.max_tokens))
 
 
+def cmd_build_model(args: argparse.Namespace) -> int:
+    from rollout_service.tools.build_model import build
+
+    build(args.out, preset=args.preset, layers=args.layers, intermediate=args.intermediate, seed=args.seed)
+    return 0
+
+
+def _add_build_model(sub) -> None:
+    from rollout_service.tools.build_model import PRESETS
+
+    p = sub.add_parser("build-model", help="write a padded, function-identical copy of the bundled target",
+                       description="Pad the bundled target (wider MLPs, extra layers that add nothing to the "
+                                   "residual stream): the same logits at the cost of a larger model. Presets: "
+                                   + "; ".join(f"{k} ({v.layers} layers x {v.intermediate} intermediate): "
+                                               f"{v.purpose}" for k, v in PRESETS.items()))
+    p.add_argument("--preset", help=f"one of: {', '.join(PRESETS)}")
+    p.add_argument("--layers", type=int, help="decoder layers (overrides the preset's)")
+    p.add_argument("--intermediate", type=int, help="MLP intermediate size (overrides the preset's)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the padding's random weights")
+    p.add_argument("--out", required=True, help="directory to write")
+    p.set_defaults(fn=cmd_build_model)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rollout-service", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -108,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--samples", type=int, default=8)
     demo.add_argument("--max-tokens", type=int, default=256)
     demo.set_defaults(fn=cmd_demo)
+    _add_build_model(sub)
     args = parser.parse_args(argv)
     try:
         return args.fn(args)

@@ -1,0 +1,104 @@
+"""`rollout-service build-model`: a padded copy of the bundled target computes the same logits."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from rollout_service.assets import tiny_model_path
+from rollout_service.cli import main
+from rollout_service.tools.build_model import PRESETS
+
+EXTRA_LAYERS = 2
+
+
+@pytest.fixture(scope="module")
+def base_config() -> dict:
+    return json.loads((tiny_model_path() / "config.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def padded(tmp_path_factory, base_config):
+    out = tmp_path_factory.mktemp("padded")
+    layers, intermediate = base_config["num_hidden_layers"] + EXTRA_LAYERS, base_config["intermediate_size"] * 2
+    assert main(["build-model", "--layers", str(layers), "--intermediate", str(intermediate), "--out", str(out)]) == 0
+    return out
+
+
+def _load(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+def test_padded_copy_has_the_new_sizes_and_loads_with_its_tokenizer(padded, base_config):
+    from transformers import AutoTokenizer
+
+    cfg = json.loads((padded / "config.json").read_text())
+    layers = base_config["num_hidden_layers"] + EXTRA_LAYERS
+    assert cfg["num_hidden_layers"] == layers and len(cfg["layer_types"]) == layers
+    assert cfg["intermediate_size"] == base_config["intermediate_size"] * 2
+    assert (cfg["hidden_size"], cfg["vocab_size"]) == (base_config["hidden_size"], base_config["vocab_size"])
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (padded / name).read_bytes() == (tiny_model_path() / name).read_bytes()
+    text = "12+7="
+    assert AutoTokenizer.from_pretrained(str(padded))(text).input_ids == \
+        AutoTokenizer.from_pretrained(str(tiny_model_path()))(text).input_ids
+    model = _load(padded)
+    assert len(model.model.layers) == layers
+    assert model.model.layers[0].mlp.gate_proj.weight.shape[0] == cfg["intermediate_size"]
+    summary = json.loads((padded / "padding.json").read_text())
+    assert summary["parameters"] == sum(p.numel() for p in model.parameters())  # tied embeddings count once
+
+
+def test_padded_copy_gives_the_bundled_logits(padded, base_config):
+    base, pad = _load(tiny_model_path()), _load(padded)
+    gen = torch.Generator().manual_seed(0)
+    vocab = base_config["vocab_size"]
+    with torch.no_grad():
+        for length in (1, 5, 17, 64, 200):
+            ids = torch.randint(3, vocab, (1, length), generator=gen)
+            a, b = base(ids).logits, pad(ids).logits
+            assert a.shape == b.shape == (1, length, vocab)
+            assert (a - b).abs().max().item() <= 1e-5, length
+        # A left-padded batch too (the attention mask reaches the padding layers).
+        ids = torch.randint(3, vocab, (3, 40), generator=gen)
+        mask = torch.ones_like(ids)
+        mask[0, :25] = 0
+        mask[1, :7] = 0
+        a = base(ids, attention_mask=mask).logits[mask.bool()]
+        b = pad(ids, attention_mask=mask).logits[mask.bool()]
+        assert (a - b).abs().max().item() <= 1e-5
+
+
+def test_build_is_deterministic(padded, tmp_path, base_config):
+    again = tmp_path / "again"
+    layers, intermediate = base_config["num_hidden_layers"] + EXTRA_LAYERS, base_config["intermediate_size"] * 2
+    assert main(["build-model", "--layers", str(layers), "--intermediate", str(intermediate), "--out", str(again)]) == 0
+    assert (again / "model.safetensors").read_bytes() == (padded / "model.safetensors").read_bytes()
+    assert (again / "config.json").read_bytes() == (padded / "config.json").read_bytes()
+
+
+def test_unknown_preset_is_a_clear_error(tmp_path, capsys):
+    assert main(["build-model", "--preset", "enormous", "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert "enormous" in err and all(name in err for name in PRESETS)
+    assert not (tmp_path / "x").exists()
+
+
+def test_shrinking_is_refused(tmp_path, base_config):
+    assert main(["build-model", "--layers", str(base_config["num_hidden_layers"] - 1), "--out", str(tmp_path)]) == 2
+    assert main(["build-model", "--out", str(tmp_path)]) == 2  # neither a preset nor a size
+
+
+def test_presets_are_the_documented_sizes(base_config):
+    h = base_config["hidden_size"]
+    per_attention = 4 * h * h + 3 * h + 2 * h  # q/k/v/o, q/k/v biases, two norms
+
+    def params(p):
+        return p.layers * (per_attention + 3 * h * p.intermediate) + base_config["vocab_size"] * h + h
+
+    assert 95e6 < params(PRESETS["tail"]) < 105e6
+    assert 0.45e9 < params(PRESETS["size"]) < 0.55e9
+    assert all(p.purpose for p in PRESETS.values())
