@@ -4,17 +4,11 @@ and the drafter's speculation mechanisms."""
 from __future__ import annotations
 
 from load_tests.oracle import ORACLE_PLACEMENTS
+from rollout_service.drafter.mechanisms import SPEC_MECHANISMS
 from rollout_service.scheduling import placement as _placement
 from rollout_service.scheduling import policy as _policy
 from rollout_service.scheduling.placement import Placement
 from rollout_service.scheduling.policy import PolicySpec
-
-#: Speculation mechanisms (their `[engine.spec]` is `drafter.runtime.MECHANISM_SPECS`).
-SPEC_MECHANISMS = {
-    "spec": "speculative decoding in the tail with the online-trained drafter and the depth tuner",
-    "spec-frozen": "speculative decoding in the tail with the bundled drafter, never retrained (baseline)",
-    "spec-ngram": "speculative decoding in the tail with n-gram (prompt lookup) drafts and the depth tuner",
-}
 
 PLACEMENTS = {**_placement.PLACEMENTS, **ORACLE_PLACEMENTS}
 MECHANISMS = {**_policy.MECHANISMS, **SPEC_MECHANISMS}

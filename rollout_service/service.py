@@ -25,7 +25,6 @@ from rollout_service.core.clock import Clock
 from rollout_service.core.rollout import CoreLimits, RolloutCore
 from rollout_service.drafter.runtime import SpecRuntime
 from rollout_service.factory import ModelInfo, load_tokenizer, make_engines, model_info
-from rollout_service.engines.spec import SpecConfig
 from rollout_service.scheduling import make_placement
 
 log = logging.getLogger("rollout_service")
@@ -83,14 +82,14 @@ class RolloutService:
             rebalance=cfg.rebalance if cfg.rebalance.enabled else None,
         )
         if cfg.engine.placement_backend == "ray":
-            from rollout_service.engines.ray_engine import bind_counters
+            from rollout_service.engines.ray_fleet import bind_counters
 
             bind_counters(engines, self.core.counters)
         if cfg.state_dir and self.core.restore(cfg.state_dir):
             log.info("resumed from the checkpoint in %s: %d open groups, version %d",
                      cfg.state_dir, len(self.core.groups), self.core.policy_version)
         await self.core.start()
-        spec = SpecConfig.from_dict(cfg.engine.spec)
+        spec = cfg.engine.spec
         if spec.enabled:  # depth tuner and online drafter trainer, per [engine.spec]
             self.spec_runtime = SpecRuntime(self.core, spec)
             await self.spec_runtime.start()

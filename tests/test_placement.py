@@ -9,7 +9,7 @@ from rollout_service.engines.types import EngineLoad, SamplingParams
 from rollout_service.lifecycle.types import Group, GroupSpec, Request
 from rollout_service.scheduling import PLACEMENTS, make_placement, parse_policies, parse_policy
 from rollout_service.scheduling.placement import LeastAssigned, LoadView, split_evenly
-from rollout_service.scheduling.policy import MECHANISMS, register_mechanism
+from rollout_service.scheduling.policy import MECHANISMS
 
 
 def loads(n: int, max_seqs: int = 4, state: str = "ready", **states) -> list[EngineLoad]:
@@ -153,16 +153,6 @@ def test_callers_bring_their_own_placements_without_registering_them():
     with pytest.raises(ValueError, match="unknown placement"):
         make_placement("mine")
     assert parse_policy("mine+rebalance", placements={**PLACEMENTS, "mine": LeastAssigned}).placement == "mine"
-
-
-def test_the_deprecated_mechanism_registration_still_parses():
-    from rollout_service.scheduling import policy
-
-    register_mechanism("probe-compat", "registered the old way")
-    try:
-        assert parse_policy("probe-compat").mechanisms == ("probe-compat",)
-    finally:
-        policy._REGISTERED.pop("probe-compat")
 
 
 @pytest.mark.parametrize("bad, message", [

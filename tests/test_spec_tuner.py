@@ -211,8 +211,7 @@ def test_homogeneity_test_separates_equal_from_different():
 
 
 def test_policy_mechanisms_switch_speculation_on():
-    import rollout_service.drafter  # noqa: F401  (registers the mechanisms)
-    from rollout_service.scheduling.policy import parse_policy
+    from load_tests.policies import parse_policy
 
     policy = parse_policy("least-assigned+spec")
     spec, rest = mechanism_spec(policy.mechanisms)

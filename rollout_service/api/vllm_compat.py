@@ -84,8 +84,8 @@ class VllmCompat:
         engines have no checkpoint (simulated engines take any manifest)."""
         if not self._checkpoint_read:
             self._checkpoint_read = True
-            dirs = {getattr(e, "model", None) for e in self.core.engines.values() if e.kind == "vllm"}
-            dirs.discard(None)
+            dirs = {e.describe().model for e in self.core.engines.values() if e.kind == "vllm"}
+            dirs.discard("")
             if len(dirs) == 1:
                 from rollout_service.engines.weights import checkpoint_manifest
 
@@ -94,8 +94,7 @@ class VllmCompat:
         return self._checkpoint
 
     def _logprobs_mode(self) -> str:
-        modes = {dict(getattr(e, "vllm_args", None) or {}).get("logprobs_mode", "processed_logprobs")
-                 for e in self.core.engines.values()}
+        modes = {e.describe().logprobs_mode for e in self.core.engines.values()}
         return modes.pop() if len(modes) == 1 else "processed_logprobs"
 
     async def server_info(self, request: web.Request) -> web.Response:

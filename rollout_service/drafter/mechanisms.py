@@ -1,11 +1,8 @@
-"""The load tests' policy vocabulary for speculation: mechanism names
-(`rollout_service.scheduling.policy`) and the `[engine.spec]` table each
-asks for."""
+"""The policy vocabulary for speculation: mechanism names and the
+`[engine.spec]` table each asks for (the load tests' policies use them)."""
 from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
-
-from rollout_service.scheduling.policy import MECHANISMS, register_mechanism
 
 #: Policy mechanisms -> `[engine.spec]`.
 MECHANISM_SPECS: dict[str, dict[str, Any]] = {
@@ -14,18 +11,13 @@ MECHANISM_SPECS: dict[str, dict[str, Any]] = {
     "spec-ngram": {"method": "ngram", "tune": True},
 }
 
-_DESCRIPTIONS = {
+#: Their names as the policy vocabulary takes them (name -> description);
+#: `scheduling.policy.parse_policy(text, mechanisms={**MECHANISMS, **SPEC_MECHANISMS})`.
+SPEC_MECHANISMS: dict[str, str] = {
     "spec": "speculative decoding in the tail with the online-trained drafter and the depth tuner",
     "spec-frozen": "speculative decoding in the tail with the bundled drafter, never retrained (baseline)",
     "spec-ngram": "speculative decoding in the tail with n-gram (prompt lookup) drafts and the depth tuner",
 }
-
-
-def register_mechanisms() -> None:
-    """Make the speculation mechanisms known to policy parsing (idempotent)."""
-    for name, description in _DESCRIPTIONS.items():
-        if name not in MECHANISMS:
-            register_mechanism(name, description)
 
 
 def mechanism_spec(mechanisms: Iterable[str], base: Mapping[str, Any] | None = None) -> tuple[dict[str, Any], list[str]]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from rollout_service.engines.spec import legacy_engine_dict
 from rollout_service.engines.spec_status import SpecEngineStatus
 
 
@@ -51,20 +50,3 @@ class SpecStatus:
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable (the `/v1/status` form)."""
         return asdict(self)
-
-    # -- transitional: the dict form api/ read before this type existed -----------
-    # (remove once api/convert.py and api/http.py read attributes)
-
-    def _legacy(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"method": self.method, "tune": self.tune, "train": self.train,
-                               "draft_version": self.draft_version,
-                               "engines": {eid: legacy_engine_dict(e) for eid, e in self.engines.items()}}
-        if self.trainer is not None:
-            out["trainer"] = dict(asdict(self.trainer), draft_version=self.draft_version)
-        return out
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self._legacy().get(key, default)
-
-    def __getitem__(self, key: str) -> Any:
-        return self._legacy()[key]

@@ -24,22 +24,6 @@ MECHANISMS: Mapping[str, str] = {
     "partial": "partial rollout: over-provisioned steps, unfinished groups carried into the next version",
 }
 
-# Compatibility: mechanisms named by `register_mechanism` (drafter/__init__.py
-# still calls it) are accepted by default too. New code passes `mechanisms=`.
-_REGISTERED: dict[str, str] = {}
-
-
-def register_mechanism(name: str, description: str) -> None:
-    """Deprecated: pass `mechanisms=` to `parse_policy` instead."""
-    if name in PLACEMENTS:
-        raise ValueError(f"{name!r} is already a placement policy")
-    _REGISTERED[name] = description
-
-
-def default_mechanisms() -> dict[str, str]:
-    return {**MECHANISMS, **_REGISTERED}
-
-
 @dataclass(slots=True, frozen=True)
 class PolicySpec:
     placement: str
@@ -62,9 +46,9 @@ def parse_policy(text: str, placements: Mapping | None = None, mechanisms: Mappi
     """`"sticky-rr"`, `"rebalance+partial"` -> PolicySpec; unknown, repeated
     or conflicting parts are a ValueError naming the part. `placements` (name
     -> factory) and `mechanisms` (name -> description) are the vocabulary
-    (default: `PLACEMENTS` and `default_mechanisms()`)."""
+    (default: `PLACEMENTS` and `MECHANISMS`)."""
     placements = PLACEMENTS if placements is None else placements
-    mechanisms = default_mechanisms() if mechanisms is None else mechanisms
+    mechanisms = MECHANISMS if mechanisms is None else mechanisms
     parts = [p.strip() for p in text.strip().split("+")]
     if not text.strip() or any(not p for p in parts):
         raise ValueError(f"empty policy name in {text!r}; {_known(placements, mechanisms)}")
@@ -94,5 +78,5 @@ def parse_policies(text: str, placements: Mapping | None = None,
     """A comma-separated list of policies, each as in `parse_policy`."""
     specs = [parse_policy(p, placements, mechanisms) for p in text.split(",") if p.strip()]
     if not specs:
-        raise ValueError(f"no policy given; {_known(PLACEMENTS if placements is None else placements, mechanisms or default_mechanisms())}")
+        raise ValueError(f"no policy given; {_known(PLACEMENTS if placements is None else placements, MECHANISMS if mechanisms is None else mechanisms)}")
     return specs
