@@ -1,6 +1,7 @@
 """Shared fixtures: a real service on loopback ports, talked to by the real client."""
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 
@@ -19,18 +20,32 @@ def sim_config(**engine) -> ServiceConfig:
     return ServiceConfig(grpc_port=0, http_port=0, engine=EngineConfig(kind="sim", **engine))
 
 
+@contextlib.asynccontextmanager
+async def running(cfg: ServiceConfig):
+    """A real service started on loopback ports, stopped on exit."""
+    service = RolloutService(cfg)
+    await service.start()
+    try:
+        yield service
+    finally:
+        await service.stop()
+
+
+def connect(service: RolloutService, prefix: str, **kwargs) -> RolloutClient:
+    """The real client on a service, as a consumer of its own."""
+    return RolloutClient(f"127.0.0.1:{service.grpc_port}", consumer_id=unique(prefix), **kwargs)
+
+
 @pytest.fixture(scope="session")
 async def sim_service():
     """One service on 2 simulated engines for the whole session."""
-    service = RolloutService(sim_config(num_engines=2))
-    await service.start()
-    yield service
-    await service.stop()
+    async with running(sim_config(num_engines=2)) as service:
+        yield service
 
 
 @pytest.fixture
 async def client(sim_service):
-    async with RolloutClient(f"127.0.0.1:{sim_service.grpc_port}", consumer_id=f"test-{uuid.uuid4().hex[:8]}") as c:
+    async with connect(sim_service, "test") as c:
         yield c
 
 
@@ -52,13 +67,11 @@ async def vllm_service():
     pytest.importorskip("vllm")
     cfg = ServiceConfig(grpc_port=0, http_port=0,
                         engine=EngineConfig(kind="vllm", num_engines=2, model=vllm_model(), max_model_len=1024, max_seqs=32))
-    service = RolloutService(cfg)
-    await service.start()
-    yield service
-    await service.stop()
+    async with running(cfg) as service:
+        yield service
 
 
 @pytest.fixture
 async def vclient(vllm_service):
-    async with RolloutClient(f"127.0.0.1:{vllm_service.grpc_port}", consumer_id=unique("v")) as c:
+    async with connect(vllm_service, "v") as c:
         yield c

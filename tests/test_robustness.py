@@ -27,7 +27,8 @@ FUZZ_COUNT = {"messages": 0, "raw": 0}
 async def small_queue():
     cfg = sim_config(num_engines=1)
     cfg.max_queued_samples = 2000
-    cfg.engine.sim.update({"decode_base_s": 0.05})  # slow: the queue fills
+    # Slow (64 tokens take 64 s): nothing completes during the flood, so the queue stays full.
+    cfg.engine.sim.update({"decode_base_s": 1.0})
     service = RolloutService(cfg)
     await service.start()
     yield service

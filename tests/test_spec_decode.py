@@ -20,15 +20,14 @@ torch = pytest.importorskip("torch")
 
 from rollout_service.config import EngineConfig, ServiceConfig  # noqa: E402
 from rollout_service.engines.types import EngineRequest
-from rollout_service.lifecycle.types import SamplingParams  # noqa: E402
+from rollout_service.engines.types import SamplingParams  # noqa: E402
 from rollout_service.drafter import DrafterTrainer, SpecRuntime, TrainerConfig  # noqa: E402
 from rollout_service.drafter.exactness import detectable_shift, homogeneity_test  # noqa: E402
 from rollout_service.engines.spec_config import SpecConfig  # noqa: E402
 from rollout_service.engines.vllm import VllmEngine  # noqa: E402
-from rollout_service.service import RolloutService  # noqa: E402
-from trainer_client import PromptGroup, RolloutClient  # noqa: E402
+from trainer_client import PromptGroup  # noqa: E402
 
-from conftest import unique, vllm_model  # noqa: E402
+from conftest import connect, running, unique, vllm_model  # noqa: E402
 from test_streaming import collect  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -60,10 +59,8 @@ def spec_cfg(schedule=ALWAYS, **kw) -> dict:
 async def spec_service():
     cfg = ServiceConfig(grpc_port=0, http_port=0, engine=EngineConfig(
         kind="vllm", num_engines=1, model=MODEL, max_model_len=1024, max_seqs=MAX_SEQS, spec=spec_cfg()))
-    service = RolloutService(cfg)
-    await service.start()
-    yield service
-    await service.stop()
+    async with running(cfg) as service:
+        yield service
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +78,7 @@ async def plain_engine():
 
 @pytest.fixture
 async def sclient(spec_service):
-    async with RolloutClient(f"127.0.0.1:{spec_service.grpc_port}", consumer_id=unique("s")) as c:
+    async with connect(spec_service, "s") as c:
         yield c
 
 

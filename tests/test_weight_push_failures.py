@@ -10,23 +10,20 @@ import pytest
 
 from trainer_client import PromptGroup, RolloutClient
 
-from conftest import sim_config, unique
+from conftest import connect, running, sim_config, unique
 from test_streaming import collect
-from rollout_service.service import RolloutService
 
 
 @pytest.fixture(scope="module")
 async def service():
     """Its own service: these tests break its engines' weight updates."""
-    service = RolloutService(sim_config(num_engines=2))
-    await service.start()
-    yield service
-    await service.stop()
+    async with running(sim_config(num_engines=2)) as service:
+        yield service
 
 
 @pytest.fixture
 async def rclient(service):
-    async with RolloutClient(f"127.0.0.1:{service.grpc_port}", consumer_id=unique("push-fail")) as c:
+    async with connect(service, "push-fail") as c:
         yield c
 
 
