@@ -180,8 +180,8 @@ def test_no_task_the_core_created_is_pending_after_stop():
     assert run_virtual(main()) == []
 
 
-def test_aborted_groups_leave_no_state_in_the_length_predictor():
-    groups, rounds = 1_000, 10  # through the core; the predictor alone is checked at 100,000 below
+def test_100k_aborted_groups_leave_no_state_in_the_length_predictor():
+    groups, rounds = 100_000, 50  # through the core's abort path, a sample of each group finished first
 
     async def main():
         predictor = LengthPredictor()

@@ -454,6 +454,7 @@ class RolloutCore:
                 raise CoreError("not_found", f"group_ids: unknown or finished group {missing[0]!r}")
             targets = [self.groups[g] for g in group_ids]
         partials: list[Sample] = []
+        self._unqueue(targets)  # once for all of them: a queue pass per group is quadratic
         for group in targets:
             samples = await self._give_up(group)
             if keep_partial:
@@ -468,10 +469,8 @@ class RolloutCore:
         their samples are delivered, aborted with that reason, so nothing
         submitted goes unaccounted for; without one (the client aborted) they
         are returned instead."""
-        group.aborted = True
-        ids = {r.request_id for r in group.requests}
-        if any(r.request_id in ids for r in self.queue):
-            self.queue = deque(r for r in self.queue if r.request_id not in ids)
+        if not group.aborted:
+            self._unqueue([group])
         pending = [r for r in group.requests if r.finish_reason is None]
         samples = []
         for req in pending:
@@ -491,6 +490,13 @@ class RolloutCore:
             self.predictor.forget_group(group.group_id)
         self._forget(group)
         return samples
+
+    def _unqueue(self, groups: list[Group]) -> None:
+        """Mark groups aborted and take their requests out of the queue."""
+        for group in groups:
+            group.aborted = True
+        if any(r.group.aborted for r in self.queue):
+            self.queue = deque(r for r in self.queue if not r.group.aborted)
 
     async def _evacuate(self, engine_id: str) -> None:
         """Continue elsewhere what runs on `engine_id` (it died)."""

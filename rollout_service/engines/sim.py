@@ -301,8 +301,8 @@ class SimEngine:
             run.seqs.remove(seq)
             if done > 0:
                 self._emit(seq, done, run.version, run.k, run.length)
-        if seq in self._running:
-            self._running.remove(seq)
+        if any(s is seq for s in self._running):
+            self._running = [s for s in self._running if s is not seq]
         elif seq in self._waiting:
             self._waiting.remove(seq)
         self._cut_run()
@@ -497,14 +497,17 @@ class SimEngine:
         self.busy_s += dt
         self.slot_s += dt * run.n
         self.steps += m
+        finished: set[int] = set()
         for seq in run.seqs:
             if seq.done:
                 continue
             finish = self._emit(seq, m, run.version, run.k, run.length)
             if finish is not None:
                 seq.done = True
-                self._running.remove(seq)
+                finished.add(id(seq))
                 self._seqs.pop(seq.request.request_id, None)
+        if finished:  # by identity, in one pass (list.remove compares dataclasses field by field)
+            self._running = [s for s in self._running if id(s) not in finished]
         if self._monitor.cfg.enabled:
             self._monitor.record_expected(run.n, run.k, dt, run.n * m, run.n * m / run.length, run.profile)
         if dt > 0:
