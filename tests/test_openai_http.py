@@ -110,3 +110,118 @@ async def test_a_private_group_reports_typed_delta_and_sample_events(sim_service
             samples.append(event.sample)
     for s in samples:
         assert s.response_token_ids == tokens[s.index] and 0 < len(s.response_token_ids) <= 12
+
+
+# -- the surface as agent harnesses use it (issue 19, part 3) ------------------------
+
+
+@pytest.mark.parametrize("path,body,param,words", [
+    ("/v1/completions", {"prompt": [1, 2], "foo": 1}, "foo", "unknown parameter 'foo'"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "C 6:"}], "store": True}, "store",
+     "unsupported parameter 'store'"),
+    ("/v1/completions", {"prompt": [1, 2], "frequency_penalty": 0.5}, "frequency_penalty",
+     "unsupported parameter 'frequency_penalty'"),
+    ("/v1/completions", {"prompt": [1, 2], "messages": []}, "messages", "unknown parameter 'messages'"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "C 6:"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "chat template"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "C 6:"}], "tool_choice": "required"},
+     "tool_choice", "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "C 6:"}], "top_logprobs": 2},
+     "top_logprobs", "logprobs"),
+    ("/v1/completions", {"prompt": [1, 2], "stream_options": {"include_usage": True}}, "stream_options", "stream"),
+    ("/v1/completions", {"prompt": [1, 2], "stream": True, "stream_options": {"include_usage": 1}},
+     "stream_options.include_usage", "boolean"),
+    ("/v1/completions", {"prompt": [1, 2], "min_tokens": 9, "max_tokens": 4}, "min_tokens", "min_tokens"),
+    ("/v1/completions", {"prompt": [1, 2], "ignore_eos": "yes"}, "ignore_eos", "boolean"),
+    ("/v1/completions", {"prompt": [1, 2], "stop": [1, 2]}, "stop", "strings"),
+    ("/v1/completions", {"prompt": [1, 2], "stop": "\n"}, "stop", "simulated"),  # sim engines have no text
+    ("/v1/completions", {"prompt": [1, 2], "user": 7}, "user", "string"),
+])
+async def test_unknown_and_unsupported_parameters_are_400s_naming_them(sim_service, path, body, param, words):
+    status, payload = await _post(sim_service.http_port, path, body)
+    assert status == 400, payload
+    assert payload["error"]["param"] == param and words in payload["error"]["message"], payload
+    keep = "messages" if "chat" in path else "prompt"
+    ok, good = await _post(sim_service.http_port, path, {keep: body[keep], "max_tokens": 2})
+    assert ok == 200 and good["choices"]
+
+
+async def test_neutral_values_of_unimplemented_settings_stay_accepted(sim_service):
+    status, r = await _post(sim_service.http_port, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "C 6:"}], "max_tokens": 3, "presence_penalty": 0.0,
+        "frequency_penalty": 0, "logit_bias": {}, "response_format": {"type": "text"}, "tool_choice": "none",
+        "tools": [], "user": "s1", "stream": False})
+    assert status == 200, r
+
+
+async def test_min_tokens_and_ignore_eos_on_simulated_engines(oai, model):
+    r = await oai.completions.create(model=model, prompt=[1, 10, 11], max_tokens=300, n=4,
+                                     extra_body={"min_tokens": 200})
+    assert all(len(c.model_extra["token_ids"]) >= 200 for c in r.choices)
+    r = await oai.completions.create(model=model, prompt=[1, 10, 11], max_tokens=300, n=2,
+                                     extra_body={"ignore_eos": True})
+    assert all(c.finish_reason == "length" and len(c.model_extra["token_ids"]) == 300 for c in r.choices)
+    assert r.usage.completion_tokens == 600
+
+
+async def test_include_usage_gives_a_final_usage_chunk_with_exact_counts(oai, model):
+    stream = await oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "C 6:"}],
+                                               max_tokens=20, n=2, stream=True,
+                                               stream_options={"include_usage": True})
+    streamed, usages, last = 0, [], None
+    async for chunk in stream:
+        last = chunk
+        for c in chunk.choices:
+            streamed += len(c.model_extra.get("token_ids") or [])
+        if chunk.usage is not None:
+            usages.append(chunk.usage)
+            assert chunk.choices == []
+    assert len(usages) == 1 and last.usage is not None  # the last chunk, and only it
+    u = usages[0]
+    assert u.completion_tokens == streamed > 0 and u.total_tokens == u.prompt_tokens + u.completion_tokens
+    assert u.prompt_tokens > 0
+
+
+async def test_session_key_reaches_the_group_metadata(sim_service, oai, model, monkeypatch):
+    seen = []
+    submit = sim_service.core.submit_private
+
+    def spy(spec):
+        seen.append(dict(spec.metadata))
+        return submit(spec)
+
+    monkeypatch.setattr(sim_service.core, "submit_private", spy)
+    await oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "C 6:"}], max_tokens=2,
+                                      user="harness-7")
+    await oai.completions.create(model=model, prompt=[1, 2], max_tokens=2, user="harness-7",
+                                 extra_headers={"X-Session-Id": "traj-42"})
+    await oai.completions.create(model=model, prompt=[1, 2], max_tokens=2)
+    assert seen == [{"session_id": "harness-7"}, {"session_id": "traj-42"}, {}]
+
+
+async def test_top_logprobs_on_simulated_engines_are_the_sampled_token(oai, model):
+    r = await oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "C 6:"}], max_tokens=4,
+                                          logprobs=True, top_logprobs=3)
+    for e in r.choices[0].logprobs.content:
+        assert [(t.token, t.logprob) for t in e.top_logprobs] == [(e.token, e.logprob)]
+
+
+def test_response_text_cuts_at_the_first_stop_string_and_streams_safely():
+    from rollout_service.api.openai_http import ResponseText
+
+    def decode(ids):
+        return "".join(chr(i) for i in ids)
+
+    ids = [ord(c) for c in "abc<tool>xyz</tool>rest"]
+    whole = ResponseText(decode, ("</tool>", "<tool>"))
+    whole.push(ids, final=True)
+    assert whole.text == "abc" and whole.stop_reason == "<tool>"
+    streamed = ResponseText(decode, ("</tool>",), include_stop=True)
+    pieces = [streamed.push([i]) for i in ids] + [streamed.finish()]
+    assert "".join(pieces) == "abc<tool>xyz</tool>" and streamed.stop_reason == "</tool>"
+    assert all("</" not in p or p.endswith("</tool>") for p in pieces)  # a stop string's start is held back
+    late = ResponseText(decode, ("b",), min_tokens=3)  # like vLLM: no stop before min_tokens tokens
+    late.push([ord(c) for c in "abcb!"], final=True)
+    assert late.text == "abc"
+    plain = ResponseText(decode)
+    assert "".join([plain.push([i]) for i in ids] + [plain.finish()]) == decode(ids)
