@@ -225,3 +225,100 @@ def test_response_text_cuts_at_the_first_stop_string_and_streams_safely():
     assert late.text == "abc"
     plain = ResponseText(decode)
     assert "".join([plain.push([i]) for i in ids] + [plain.finish()]) == decode(ids)
+
+
+# -- on real vLLM CPU engines: what depends on the engine -----------------------------
+
+
+@pytest.fixture
+def voai(vllm_service):
+    return openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{vllm_service.http_port}/v1", api_key="unused")
+
+
+def _collatz_prompt() -> str:
+    from rollout_service.tasks.generator import make_problem
+
+    return make_problem("collatz", [27]).prompt  # a long answer
+
+
+@pytest.mark.vllm
+async def test_two_turn_chat_with_a_stop_string_on_vllm(voai, vllm_service):
+    model = vllm_service.model_name
+    messages = [{"role": "user", "content": _collatz_prompt()}]
+    free = await voai.chat.completions.create(model=model, messages=messages, max_tokens=60, temperature=0.0)
+    text = free.choices[0].message.content
+    assert len(text) > 16, text
+    stop = text[10:13]
+    expected = text[:text.find(stop)]
+    r = await voai.chat.completions.create(model=model, messages=messages, max_tokens=60, temperature=0.0,
+                                           stop=[stop, "\x7f never"], user="traj-1")
+    c = r.choices[0]
+    assert c.finish_reason == "stop" and c.message.content == expected
+    # The engine itself stopped (one token per character): at the token completing the string.
+    assert len(c.model_extra["token_ids"]) == len(expected) + len(stop) == r.usage.completion_tokens
+    assert c.model_extra["stop_reason"] == stop
+    # Streamed: the same text, the stop string never sent.
+    stream = await voai.chat.completions.create(model=model, messages=messages, max_tokens=60, temperature=0.0,
+                                                stop=stop, stream=True)
+    pieces, finish = [], None
+    async for chunk in stream:
+        for ch in chunk.choices:
+            pieces.append(ch.delta.content or "")
+            finish = ch.finish_reason or finish
+    assert "".join(pieces) == expected and finish == "stop"
+    # The next turn: the previous reply appended, the harness's stop string again.
+    messages += [{"role": "assistant", "content": c.message.content}, {"role": "user", "content": "\n"}]
+    r2 = await voai.chat.completions.create(model=model, messages=messages, max_tokens=40, temperature=0.0,
+                                            stop=[stop], user="traj-1")
+    c2 = r2.choices[0]
+    assert c2.finish_reason in ("stop", "length") and stop not in c2.message.content
+    assert r2.usage.prompt_tokens == 1 + len("".join(m["content"] for m in messages))  # <bos> + the conversation
+    if c2.finish_reason == "length":
+        assert r2.usage.completion_tokens == 40
+
+
+@pytest.mark.vllm
+async def test_min_tokens_and_ignore_eos_on_vllm(voai, vllm_service):
+    from rollout_service.tasks.generator import make_problem
+
+    model = vllm_service.model_name
+    prompt = make_problem("add", [12, 3]).prompt  # a short answer, ended by <eos>
+    free = await voai.completions.create(model=model, prompt=prompt, max_tokens=200, temperature=0.0)
+    n = free.usage.completion_tokens
+    assert free.choices[0].finish_reason == "stop" and n < 150, free
+    r = await voai.completions.create(model=model, prompt=prompt, max_tokens=200, temperature=0.0,
+                                      extra_body={"min_tokens": n + 10})
+    assert r.usage.completion_tokens >= n + 10
+    r = await voai.completions.create(model=model, prompt=prompt, max_tokens=n + 30, temperature=0.0,
+                                      extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == n + 30
+
+
+@pytest.mark.vllm
+async def test_include_usage_and_top_logprobs_on_vllm(voai, vllm_service):
+    model = vllm_service.model_name
+    messages = [{"role": "user", "content": _collatz_prompt()}]
+    stream = await voai.chat.completions.create(model=model, messages=messages, max_tokens=30, n=2, seed=3,
+                                                stream=True, stream_options={"include_usage": True})
+    streamed, usage = 0, None
+    async for chunk in stream:
+        for c in chunk.choices:
+            streamed += len(c.model_extra.get("token_ids") or [])
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert usage.completion_tokens == streamed > 0
+    assert usage.prompt_tokens == 1 + len(messages[0]["content"])
+    r = await voai.chat.completions.create(model=model, messages=messages, max_tokens=12, seed=5,
+                                           logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == len(r.choices[0].model_extra["token_ids"])
+    for e in content:  # vLLM's order: the sampled token first, then the top ones by rank
+        tops = e.top_logprobs
+        assert len(tops) == 3 and len({t.token for t in tops}) == 3
+        assert (tops[0].token, tops[0].logprob) == (e.token, e.logprob)
+        assert tops[1].logprob >= tops[2].logprob
+    r = await voai.completions.create(model=model, prompt=_collatz_prompt(), max_tokens=12, seed=5, logprobs=2,
+                                      extra_body={"return_tokens_as_token_ids": True})
+    lp = r.choices[0].logprobs
+    for tok, top in zip(lp.tokens, lp.top_logprobs):
+        assert tok in top and len(top) in (2, 3)
