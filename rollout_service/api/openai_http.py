@@ -335,7 +335,7 @@ class OpenAIFrontEnd:
         if chat:
             want = self._flag(body, "logprobs")
             top = _number(body, "top_logprobs", 0, 0, 20, integer=True)
-            if body.get("top_logprobs") is not None and not want:
+            if top and not want:
                 raise BadRequest("top_logprobs", "needs 'logprobs': true")
         else:
             top = 0
