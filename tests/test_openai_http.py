@@ -227,6 +227,37 @@ def test_response_text_cuts_at_the_first_stop_string_and_streams_safely():
     assert "".join([plain.push([i]) for i in ids] + [plain.finish()]) == decode(ids)
 
 
+def test_tools_reach_a_chat_template_that_renders_them():
+    from rollout_service.api.openai_http import BadRequest, OpenAIFrontEnd
+    from rollout_service.api.validation import ModelLimits
+
+    class Tok:  # a model whose chat template renders tools
+        chat_template = "{% for t in tools %}{{ t }}{% endfor %}{% for m in messages %}{{ m.content }}{% endfor %}"
+
+        def __init__(self):
+            self.calls = []
+
+        def apply_chat_template(self, messages, **kwargs):
+            self.calls.append(kwargs.get("tools"))
+            return [1, 5, 6]
+
+    tok = Tok()
+    front = OpenAIFrontEnd(core=None, limits=ModelLimits(vocab_size=100, max_model_len=64), tokenizer=tok,
+                           model_name="m")
+    tools = [{"type": "function", "function": {"name": "search", "parameters": {}}}]
+    messages = [{"role": "user", "content": "hi"}]
+    assert front._chat_prompt(messages, front.chat_tools({"tools": tools, "tool_choice": "auto"})) == [1, 5, 6]
+    assert front._chat_prompt(messages, front.chat_tools({"tools": tools, "tool_choice": "none"})) == [1, 5, 6]
+    assert tok.calls == [tools, None]
+    with pytest.raises(BadRequest) as e:
+        front.chat_tools({"tools": tools, "tool_choice": "required"})
+    assert e.value.param == "tool_choice"
+    tok.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    with pytest.raises(BadRequest) as e:
+        front.chat_tools({"tools": tools})
+    assert e.value.param == "tools" and "does not support tools" in str(e.value)
+
+
 # -- on real vLLM CPU engines: what depends on the engine -----------------------------
 
 
@@ -322,3 +353,12 @@ async def test_include_usage_and_top_logprobs_on_vllm(voai, vllm_service):
     lp = r.choices[0].logprobs
     for tok, top in zip(lp.tokens, lp.top_logprobs):
         assert tok in top and len(top) in (2, 3)
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session:  # vLLM's tokens-in, tokens-out endpoint, the same alternatives
+        async with session.post(f"http://127.0.0.1:{vllm_service.http_port}/inference/v1/generate", json={
+                "token_ids": [1, 10, 11], "sampling_params": {"max_tokens": 6, "logprobs": 2, "seed": 1}}) as resp:
+            assert resp.status == 200
+            out = await resp.json()
+    for e in out["choices"][0]["logprobs"]["content"]:
+        assert e["top_logprobs"][0]["token_id"] == e["token_id"] and len(e["top_logprobs"]) in (2, 3)
