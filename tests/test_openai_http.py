@@ -110,3 +110,255 @@ async def test_a_private_group_reports_typed_delta_and_sample_events(sim_service
             samples.append(event.sample)
     for s in samples:
         assert s.response_token_ids == tokens[s.index] and 0 < len(s.response_token_ids) <= 12
+
+
+# -- the surface as agent harnesses use it (issue 19, part 3) ------------------------
+
+
+@pytest.mark.parametrize("path,body,param,words", [
+    ("/v1/completions", {"prompt": [1, 2], "foo": 1}, "foo", "unknown parameter 'foo'"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "C 6:"}], "store": True}, "store",
+     "unsupported parameter 'store'"),
+    ("/v1/completions", {"prompt": [1, 2], "frequency_penalty": 0.5}, "frequency_penalty",
+     "unsupported parameter 'frequency_penalty'"),
+    ("/v1/completions", {"prompt": [1, 2], "messages": []}, "messages", "unknown parameter 'messages'"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "C 6:"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "chat template"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "C 6:"}], "tool_choice": "required"},
+     "tool_choice", "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "C 6:"}], "top_logprobs": 2},
+     "top_logprobs", "logprobs"),
+    ("/v1/completions", {"prompt": [1, 2], "stream_options": {"include_usage": True}}, "stream_options", "stream"),
+    ("/v1/completions", {"prompt": [1, 2], "stream": True, "stream_options": {"include_usage": 1}},
+     "stream_options.include_usage", "boolean"),
+    ("/v1/completions", {"prompt": [1, 2], "min_tokens": 9, "max_tokens": 4}, "min_tokens", "min_tokens"),
+    ("/v1/completions", {"prompt": [1, 2], "ignore_eos": "yes"}, "ignore_eos", "boolean"),
+    ("/v1/completions", {"prompt": [1, 2], "stop": [1, 2]}, "stop", "strings"),
+    ("/v1/completions", {"prompt": [1, 2], "stop": "\n"}, "stop", "simulated"),  # sim engines have no text
+    ("/v1/completions", {"prompt": [1, 2], "user": 7}, "user", "string"),
+])
+async def test_unknown_and_unsupported_parameters_are_400s_naming_them(sim_service, path, body, param, words):
+    status, payload = await _post(sim_service.http_port, path, body)
+    assert status == 400, payload
+    assert payload["error"]["param"] == param and words in payload["error"]["message"], payload
+    keep = "messages" if "chat" in path else "prompt"
+    ok, good = await _post(sim_service.http_port, path, {keep: body[keep], "max_tokens": 2})
+    assert ok == 200 and good["choices"]
+
+
+async def test_neutral_values_of_unimplemented_settings_stay_accepted(sim_service):
+    status, r = await _post(sim_service.http_port, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "C 6:"}], "max_tokens": 3, "presence_penalty": 0.0,
+        "frequency_penalty": 0, "logit_bias": {}, "response_format": {"type": "text"}, "tool_choice": "none",
+        "tools": [], "user": "s1", "stream": False})
+    assert status == 200, r
+
+
+async def test_min_tokens_and_ignore_eos_on_simulated_engines(oai, model):
+    r = await oai.completions.create(model=model, prompt=[1, 10, 11], max_tokens=300, n=4,
+                                     extra_body={"min_tokens": 200})
+    assert all(len(c.model_extra["token_ids"]) >= 200 for c in r.choices)
+    r = await oai.completions.create(model=model, prompt=[1, 10, 11], max_tokens=300, n=2,
+                                     extra_body={"ignore_eos": True})
+    assert all(c.finish_reason == "length" and len(c.model_extra["token_ids"]) == 300 for c in r.choices)
+    assert r.usage.completion_tokens == 600
+
+
+async def test_include_usage_gives_a_final_usage_chunk_with_exact_counts(oai, model):
+    stream = await oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "C 6:"}],
+                                               max_tokens=20, n=2, stream=True,
+                                               stream_options={"include_usage": True})
+    streamed, usages, last = 0, [], None
+    async for chunk in stream:
+        last = chunk
+        for c in chunk.choices:
+            streamed += len(c.model_extra.get("token_ids") or [])
+        if chunk.usage is not None:
+            usages.append(chunk.usage)
+            assert chunk.choices == []
+    assert len(usages) == 1 and last.usage is not None  # the last chunk, and only it
+    u = usages[0]
+    assert u.completion_tokens == streamed > 0 and u.total_tokens == u.prompt_tokens + u.completion_tokens
+    assert u.prompt_tokens > 0
+
+
+async def test_session_key_reaches_the_group_metadata(sim_service, oai, model, monkeypatch):
+    seen = []
+    submit = sim_service.core.submit_private
+
+    def spy(spec):
+        seen.append(dict(spec.metadata))
+        return submit(spec)
+
+    monkeypatch.setattr(sim_service.core, "submit_private", spy)
+    await oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "C 6:"}], max_tokens=2,
+                                      user="harness-7")
+    await oai.completions.create(model=model, prompt=[1, 2], max_tokens=2, user="harness-7",
+                                 extra_headers={"X-Session-Id": "traj-42"})
+    await oai.completions.create(model=model, prompt=[1, 2], max_tokens=2)
+    assert seen == [{"session_id": "harness-7"}, {"session_id": "traj-42"}, {}]
+
+
+async def test_top_logprobs_on_simulated_engines_are_the_sampled_token(oai, model):
+    r = await oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "C 6:"}], max_tokens=4,
+                                          logprobs=True, top_logprobs=3)
+    for e in r.choices[0].logprobs.content:
+        assert [(t.token, t.logprob) for t in e.top_logprobs] == [(e.token, e.logprob)]
+
+
+def test_response_text_cuts_at_the_first_stop_string_and_streams_safely():
+    from rollout_service.api.openai_http import ResponseText
+
+    def decode(ids):
+        return "".join(chr(i) for i in ids)
+
+    ids = [ord(c) for c in "abc<tool>xyz</tool>rest"]
+    whole = ResponseText(decode, ("</tool>", "<tool>"))
+    whole.push(ids, final=True)
+    assert whole.text == "abc" and whole.stop_reason == "<tool>"
+    streamed = ResponseText(decode, ("</tool>",), include_stop=True)
+    pieces = [streamed.push([i]) for i in ids] + [streamed.finish()]
+    assert "".join(pieces) == "abc<tool>xyz</tool>" and streamed.stop_reason == "</tool>"
+    assert all("</" not in p or p.endswith("</tool>") for p in pieces)  # a stop string's start is held back
+    late = ResponseText(decode, ("b",), min_tokens=3)  # like vLLM: no stop before min_tokens tokens
+    late.push([ord(c) for c in "abcb!"], final=True)
+    assert late.text == "abc"
+    plain = ResponseText(decode)
+    assert "".join([plain.push([i]) for i in ids] + [plain.finish()]) == decode(ids)
+
+
+def test_tools_reach_a_chat_template_that_renders_them():
+    from rollout_service.api.openai_http import BadRequest, OpenAIFrontEnd
+    from rollout_service.api.validation import ModelLimits
+
+    class Tok:  # a model whose chat template renders tools
+        chat_template = "{% for t in tools %}{{ t }}{% endfor %}{% for m in messages %}{{ m.content }}{% endfor %}"
+
+        def __init__(self):
+            self.calls = []
+
+        def apply_chat_template(self, messages, **kwargs):
+            self.calls.append(kwargs.get("tools"))
+            return [1, 5, 6]
+
+    tok = Tok()
+    front = OpenAIFrontEnd(core=None, limits=ModelLimits(vocab_size=100, max_model_len=64), tokenizer=tok,
+                           model_name="m")
+    tools = [{"type": "function", "function": {"name": "search", "parameters": {}}}]
+    messages = [{"role": "user", "content": "hi"}]
+    assert front._chat_prompt(messages, front.chat_tools({"tools": tools, "tool_choice": "auto"})) == [1, 5, 6]
+    assert front._chat_prompt(messages, front.chat_tools({"tools": tools, "tool_choice": "none"})) == [1, 5, 6]
+    assert tok.calls == [tools, None]
+    with pytest.raises(BadRequest) as e:
+        front.chat_tools({"tools": tools, "tool_choice": "required"})
+    assert e.value.param == "tool_choice"
+    tok.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    with pytest.raises(BadRequest) as e:
+        front.chat_tools({"tools": tools})
+    assert e.value.param == "tools" and "does not support tools" in str(e.value)
+
+
+# -- on real vLLM CPU engines: what depends on the engine -----------------------------
+
+
+@pytest.fixture
+def voai(vllm_service):
+    return openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{vllm_service.http_port}/v1", api_key="unused")
+
+
+def _collatz_prompt() -> str:
+    from rollout_service.tasks.generator import make_problem
+
+    return make_problem("collatz", [27]).prompt  # a long answer
+
+
+@pytest.mark.vllm
+async def test_two_turn_chat_with_a_stop_string_on_vllm(voai, vllm_service):
+    model = vllm_service.model_name
+    messages = [{"role": "user", "content": _collatz_prompt()}]
+    free = await voai.chat.completions.create(model=model, messages=messages, max_tokens=60, temperature=0.0)
+    text = free.choices[0].message.content
+    assert len(text) > 16, text
+    stop = text[10:13]
+    expected = text[:text.find(stop)]
+    r = await voai.chat.completions.create(model=model, messages=messages, max_tokens=60, temperature=0.0,
+                                           stop=[stop, "\x7f never"], user="traj-1")
+    c = r.choices[0]
+    assert c.finish_reason == "stop" and c.message.content == expected
+    # The engine itself stopped (one token per character): at the token completing the string.
+    assert len(c.model_extra["token_ids"]) == len(expected) + len(stop) == r.usage.completion_tokens
+    assert c.model_extra["stop_reason"] == stop
+    # Streamed: the same text, the stop string never sent.
+    stream = await voai.chat.completions.create(model=model, messages=messages, max_tokens=60, temperature=0.0,
+                                                stop=stop, stream=True)
+    pieces, finish = [], None
+    async for chunk in stream:
+        for ch in chunk.choices:
+            pieces.append(ch.delta.content or "")
+            finish = ch.finish_reason or finish
+    assert "".join(pieces) == expected and finish == "stop"
+    # The next turn: the previous reply appended, the harness's stop string again.
+    messages += [{"role": "assistant", "content": c.message.content}, {"role": "user", "content": "\n"}]
+    r2 = await voai.chat.completions.create(model=model, messages=messages, max_tokens=40, temperature=0.0,
+                                            stop=[stop], user="traj-1")
+    c2 = r2.choices[0]
+    assert c2.finish_reason in ("stop", "length") and stop not in c2.message.content
+    assert r2.usage.prompt_tokens == 1 + len("".join(m["content"] for m in messages))  # <bos> + the conversation
+    if c2.finish_reason == "length":
+        assert r2.usage.completion_tokens == 40
+
+
+@pytest.mark.vllm
+async def test_min_tokens_and_ignore_eos_on_vllm(voai, vllm_service):
+    from rollout_service.tasks.generator import make_problem
+
+    model = vllm_service.model_name
+    prompt = make_problem("add", [12, 3]).prompt  # a short answer, ended by <eos>
+    free = await voai.completions.create(model=model, prompt=prompt, max_tokens=200, temperature=0.0)
+    n = free.usage.completion_tokens
+    assert free.choices[0].finish_reason == "stop" and n < 150, free
+    r = await voai.completions.create(model=model, prompt=prompt, max_tokens=200, temperature=0.0,
+                                      extra_body={"min_tokens": n + 10})
+    assert r.usage.completion_tokens >= n + 10
+    r = await voai.completions.create(model=model, prompt=prompt, max_tokens=n + 30, temperature=0.0,
+                                      extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == n + 30
+
+
+@pytest.mark.vllm
+async def test_include_usage_and_top_logprobs_on_vllm(voai, vllm_service):
+    model = vllm_service.model_name
+    messages = [{"role": "user", "content": _collatz_prompt()}]
+    stream = await voai.chat.completions.create(model=model, messages=messages, max_tokens=30, n=2, seed=3,
+                                                stream=True, stream_options={"include_usage": True})
+    streamed, usage = 0, None
+    async for chunk in stream:
+        for c in chunk.choices:
+            streamed += len(c.model_extra.get("token_ids") or [])
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert usage.completion_tokens == streamed > 0
+    assert usage.prompt_tokens == 1 + len(messages[0]["content"])
+    r = await voai.chat.completions.create(model=model, messages=messages, max_tokens=12, seed=5,
+                                           logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == len(r.choices[0].model_extra["token_ids"])
+    for e in content:  # vLLM's order: the sampled token first, then the top ones by rank
+        tops = e.top_logprobs
+        assert len(tops) == 3 and len({t.token for t in tops}) == 3
+        assert (tops[0].token, tops[0].logprob) == (e.token, e.logprob)
+        assert tops[1].logprob >= tops[2].logprob
+    r = await voai.completions.create(model=model, prompt=_collatz_prompt(), max_tokens=12, seed=5, logprobs=2,
+                                      extra_body={"return_tokens_as_token_ids": True})
+    lp = r.choices[0].logprobs
+    for tok, top in zip(lp.tokens, lp.top_logprobs):
+        assert tok in top and len(top) in (2, 3)
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session:  # vLLM's tokens-in, tokens-out endpoint, the same alternatives
+        async with session.post(f"http://127.0.0.1:{vllm_service.http_port}/inference/v1/generate", json={
+                "token_ids": [1, 10, 11], "sampling_params": {"max_tokens": 6, "logprobs": 2, "seed": 1}}) as resp:
+            assert resp.status == 200
+            out = await resp.json()
+    for e in out["choices"][0]["logprobs"]["content"]:
+        assert e["top_logprobs"][0]["token_id"] == e["token_id"] and len(e["top_logprobs"]) in (2, 3)

@@ -83,7 +83,11 @@ async def test_tokens_in_tokens_out_generate(sim_service):
         assert sum(s["end"] - s["start"] for s in c["weight_versions"]) == len(c["token_ids"])
     for body, param in [({"token_ids": "text"}, "token_ids"),
                         ({"token_ids": [1, 2], "sampling_params": {"n": 0}}, "sampling_params.n"),
-                        ({"token_ids": [1, 2], "features": {"mm_hashes": {}}}, "features")]:
+                        ({"token_ids": [1, 2], "features": {"mm_hashes": {}}}, "features"),
+                        ({"token_ids": [1, 2], "sampling_params": {"frequency_penalty": 0.3}},
+                         "sampling_params.frequency_penalty"),
+                        ({"token_ids": [1, 2], "sampling_params": {"bogus": 1}}, "sampling_params.bogus"),
+                        ({"token_ids": [1, 2], "cache_salt": "x"}, "cache_salt")]:
         status, r = await _call(sim_service.http_port, "POST", "/inference/v1/generate", body)
         assert status == 400 and r["error"]["param"] == param, r
 

@@ -1,14 +1,21 @@
 """OpenAI-compatible completions on the side server, for agentic RL harnesses.
 
 `POST /v1/completions` and `POST /v1/chat/completions` (prompt as text or
-token ids, or for completions a batch of them, `n`, `logprobs`, `max_tokens`,
-`temperature`, `top_p`, `top_k`, `seed`, `stream`) run on the same engines
-and policies as gRPC rollouts; every response names the policy version(s)
-that produced it (`policy_version`, and per choice `policy_versions` as
-version segments). vLLM's extensions `return_token_ids` (the prompt's ids
-with the choices) and `return_tokens_as_token_ids` (logprob tokens as
-"token_id:<id>") are honoured, so vLLM clients read the answers unchanged.
-Malformed requests get 400 with an OpenAI-style JSON error naming the field.
+token ids, or for completions a batch of them, `n`, `logprobs` and for chat
+`top_logprobs`, `max_tokens`, `temperature`, `top_p`, `top_k`, `seed`,
+`stop`, `min_tokens`, `ignore_eos`, `stream`, `stream_options.include_usage`)
+run on the same engines and policies as gRPC rollouts; every response names
+the policy version(s) that produced it (`policy_version`, and per choice
+`policy_versions` as version segments). vLLM's extensions `return_token_ids`
+(the prompt's ids with the choices), `return_tokens_as_token_ids` (logprob
+tokens as "token_id:<id>"), `stop_token_ids` and `include_stop_str_in_output`
+are honoured, so vLLM clients read the answers unchanged.
+
+Every key of a request is either honoured or refused: an unknown key, or a
+known one this server does not implement (at other than its neutral value),
+gets 400 with an OpenAI-style JSON error naming it, as does a malformed
+field. `X-Session-Id` (header) or `user` is the request's session key, kept
+in the group's metadata as `session_id` for the scheduler's affinity.
 """
 from __future__ import annotations
 
@@ -27,9 +34,29 @@ from rollout_service.lifecycle.types import DeltaEvent, GroupSpec, Sample, Sampl
 
 # FinishReason -> OpenAI's finish_reason.
 FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORTED: "abort"}
-# Sampling settings the engines do not implement: accepted at their neutral value only.
-_NEUTRAL = {"min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-            "structured_outputs": None, "prompt_logprobs": None}
+# Settings the engines do not implement: accepted at their neutral value(s) only.
+_NEUTRAL = {"min_p": (0.0,), "repetition_penalty": (1.0,), "presence_penalty": (0.0,),
+            "frequency_penalty": (0.0,), "structured_outputs": (None,), "prompt_logprobs": (None,),
+            "logit_bias": (None, {}), "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1),
+            "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None,)}
+# Keys each endpoint honours (besides _NEUTRAL's); anything else is a 400.
+_COMMON_KEYS = {"model", "n", "max_tokens", "temperature", "top_p", "top_k", "seed", "stream", "stream_options",
+                "logprobs", "stop", "stop_token_ids", "include_stop_str_in_output", "min_tokens", "ignore_eos",
+                "user", "return_token_ids", "return_tokens_as_token_ids"}
+_COMPLETION_KEYS = _COMMON_KEYS | {"prompt"}
+_CHAT_KEYS = _COMMON_KEYS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice"}
+# Known OpenAI / vLLM request keys that are not implemented: "unsupported", not "unknown".
+_UNSUPPORTED = {"functions", "function_call", "audio", "modalities", "prediction", "reasoning_effort",
+                "service_tier", "store", "metadata", "web_search_options", "verbosity", "use_beam_search",
+                "length_penalty", "allowed_token_ids", "bad_words", "guided_json", "guided_regex",
+                "guided_choice", "guided_grammar", "guided_decoding_backend", "skip_special_tokens",
+                "spaces_between_special_tokens", "truncate_prompt_tokens", "add_special_tokens",
+                "add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs",
+                "documents", "priority", "request_id", "cache_salt", "logits_processors", "vllm_xargs",
+                "kv_transfer_params", "prompt_embeds", "echo", "suffix", "logit_bias", "best_of",
+                "response_format", "parallel_tool_calls"} | set(_NEUTRAL)
+MAX_STOP_STRINGS = 16
+SESSION_HEADER = "X-Session-Id"
 
 
 class BadRequest(ValueError):
@@ -54,6 +81,81 @@ def _number(body: dict, key: str, default, lo: float, hi: float, integer: bool =
         bracket = "(" if lo_open else "["
         raise BadRequest(key, f"must be in {bracket}{lo}, {hi}], got {value!r}")
     return int(value) if integer else float(value)
+
+
+def _is_neutral(value, options) -> bool:
+    return any(value == o and isinstance(value, bool) == isinstance(o, bool) for o in options)
+
+
+def check_keys(body: dict, allowed: set[str]) -> None:
+    """BadRequest naming the first key that is neither honoured nor at a
+    neutral value of an unimplemented setting."""
+    for key, value in body.items():
+        if key in allowed:
+            continue
+        if key in _NEUTRAL and _is_neutral(value, _NEUTRAL[key]):
+            continue
+        if key in _UNSUPPORTED:
+            raise BadRequest(key, f"unsupported parameter {key!r}: this server does not implement it"
+                             + (f" (only {_NEUTRAL[key][-1]!r})" if key in _NEUTRAL else "") + f", got {value!r}")
+        raise BadRequest(key, f"unknown parameter {key!r}")
+
+
+def find_stop(text: str, stops, start: int = 0) -> tuple[int, str] | None:
+    """(index, string) of the stop string that completes earliest in
+    `text[start:]` (vLLM's rule), or None."""
+    best = None
+    for stop in stops:
+        i = text.find(stop, start)
+        if i >= 0 and (best is None or i + len(stop) < best[0] + len(best[1])):
+            best = (i, stop)
+    return best
+
+
+class ResponseText:
+    """A choice's text from its tokens (the service's tokens are the truth),
+    cut before the first stop string (after `min_tokens` tokens, like vLLM)
+    unless `include_stop`; `push` returns the text safe to stream so far
+    (holding back what could be the start of a stop string, or an
+    incomplete character), `finish` the rest."""
+
+    def __init__(self, decode, stops: tuple[str, ...] = (), include_stop: bool = False, min_tokens: int = 0) -> None:
+        self.decode = decode
+        self.stops = stops
+        self.include_stop = include_stop
+        self.min_tokens = min_tokens
+        self.ids: list[int] = []
+        self.sent = 0
+        self.text = ""
+        self.stop_reason: str | None = None  # the stop string the text was cut at
+
+    def push(self, ids: list[int], final: bool = False) -> str:
+        self.ids += ids
+        if self.stop_reason is not None:
+            return ""
+        full = self.decode(self.ids)
+        hit = None
+        if self.stops:
+            start = len(self.decode(self.ids[:self.min_tokens])) if self.min_tokens else 0
+            hit = find_stop(full, self.stops, start)
+        if hit is not None:
+            end = hit[0] + (len(hit[1]) if self.include_stop else 0)
+            self.stop_reason = hit[1]
+            final = True
+        else:
+            end = len(full)
+            if not final:
+                if self.stops and not self.include_stop:
+                    end -= max(map(len, self.stops)) - 1
+                while end > self.sent and full[end - 1] == "\ufffd":
+                    end -= 1
+        out = full[self.sent:end] if end > self.sent else ""
+        self.sent = max(self.sent, end)
+        self.text = full[:self.sent]
+        return out
+
+    def finish(self) -> str:
+        return self.push([], final=True)
 
 
 class OpenAIFrontEnd:
@@ -122,7 +224,7 @@ class OpenAIFrontEnd:
             return [self.prompt_ids(p) for p in prompt]
         return [self.prompt_ids(prompt)]
 
-    def _chat_prompt(self, messages) -> list[int]:
+    def _chat_prompt(self, messages, tools=None) -> list[int]:
         if not isinstance(messages, list) or not messages:
             raise BadRequest("messages", "must be a non-empty list of {role, content} objects")
         for i, m in enumerate(messages):
@@ -130,15 +232,84 @@ class OpenAIFrontEnd:
                 raise BadRequest(f"messages[{i}]", "must be an object with string 'role' and 'content'")
         tok = self.tokenizer
         if tok is not None and getattr(tok, "chat_template", None):
-            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            extra = {"tools": tools} if tools else {}
+            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # newer transformers return an encoding
+                ids = ids["input_ids"]
             return self.prompt_ids(list(ids))
         # No chat template (e.g. the tiny reasoner): the conversation's text, in order.
         return self.prompt_ids("".join(m["content"] for m in messages))
 
-    def group_spec(self, body: dict, prompt: list[int]) -> tuple[GroupSpec, bool]:
+    def supports_tools(self) -> bool:
+        """Whether the model's chat template renders `tools`."""
+        template = getattr(self.tokenizer, "chat_template", None) if self.tokenizer is not None else None
+        if isinstance(template, dict):
+            template = " ".join(map(str, template.values()))
+        return bool(template) and "tools" in template
+
+    def chat_tools(self, body: dict):
+        """The request's `tools` for the chat template (None without any);
+        BadRequest naming `tools` or `tool_choice` where the model's chat
+        template does not support them. Tool calls come back in the message
+        content as the model wrote them (no tool-call parser)."""
+        tools = body.get("tools")
+        choice = body.get("tool_choice")
+        if tools is None or tools == []:
+            if choice not in (None, "none"):
+                raise BadRequest("tool_choice", f"needs 'tools', got {choice!r}")
+            return None
+        if not self.supports_tools():
+            raise BadRequest("tools", f"unsupported parameter 'tools': the chat template of {self.model_name!r} "
+                             "does not support tools")
+        if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+            raise BadRequest("tools", "must be a list of tool objects")
+        if choice not in (None, "none", "auto"):
+            raise BadRequest("tool_choice", f"only 'auto' or 'none' (no constrained decoding), got {choice!r}")
+        return None if choice == "none" else tools
+
+    def _stops(self, body: dict) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        stop = body.get("stop")
+        if stop is None:
+            stops: tuple[str, ...] = ()
+        elif isinstance(stop, str):
+            stops = (stop,)
+        elif isinstance(stop, list) and all(isinstance(x, str) for x in stop):
+            stops = tuple(stop)
+        else:
+            raise BadRequest("stop", f"must be a string or a list of strings, got {stop!r}")
+        if len(stops) > MAX_STOP_STRINGS or any(not x for x in stops):
+            raise BadRequest("stop", f"at most {MAX_STOP_STRINGS} non-empty strings, got {stop!r}")
+        ids = body.get("stop_token_ids")
+        if ids is None:
+            ids = []
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise BadRequest("stop_token_ids", f"must be a list of token ids, got {ids!r}")
+        bad = [t for t in ids if not 0 <= t < self.limits.vocab_size]
+        if bad:
+            raise BadRequest("stop_token_ids", f"token id {bad[0]} is outside [0, {self.limits.vocab_size - 1}]")
+        if (stops or ids) and self._simulated():
+            param = "stop" if stops else "stop_token_ids"
+            raise BadRequest(param, "stop strings and stop token ids need vLLM engines; this server's engines "
+                             "are simulated (they generate no text)")
+        return stops, tuple(ids)
+
+    def _simulated(self) -> bool:
+        return any(getattr(e, "kind", "") == "sim" for e in self.core.engines.values())
+
+    @staticmethod
+    def _flag(body: dict, key: str) -> bool:
+        value = body.get(key, False)
+        if value is None:
+            return False
+        if not isinstance(value, bool):
+            raise BadRequest(key, f"must be a boolean, got {value!r}")
+        return value
+
+    def group_spec(self, body: dict, prompt: list[int], chat: bool = False) -> tuple[GroupSpec, bool]:
         """A private group for `prompt` from the request's sampling fields
         (`n`, `max_tokens`, `temperature`, ...), and whether logprobs are
-        wanted; BadRequest naming the field."""
+        wanted (`sampling.logprobs` is the top alternatives asked for);
+        BadRequest naming the field."""
         budget = self.limits.max_model_len - len(prompt)
         n = _number(body, "n", 1, 1, 128, integer=True)
         max_tokens = _number(body, "max_tokens", min(256, budget), 1, budget, integer=True)
@@ -148,21 +319,46 @@ class OpenAIFrontEnd:
         top_p = _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
         top_k = _number(body, "top_k", -1, -1, self.limits.vocab_size, integer=True)  # 0 or -1: all tokens
         for key, neutral in _NEUTRAL.items():
-            if body.get(key) is not None and body[key] != neutral:
-                raise BadRequest(key, f"is not supported by this server (only {neutral!r}), got {body[key]!r}")
+            if key in body and not _is_neutral(body[key], neutral):
+                raise BadRequest(key, f"unsupported parameter {key!r}: this server does not implement it "
+                                 f"(only {neutral[-1]!r}), got {body[key]!r}")
         seed = body.get("seed")
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
             raise BadRequest("seed", f"must be a non-negative integer, got {seed!r}")
-        # Chat sends a boolean, completions an integer (top alternatives; only
-        # the sampled token's logprob is returned).
+        min_tokens = _number(body, "min_tokens", 0, 0, max_tokens, integer=True)
+        ignore_eos = self._flag(body, "ignore_eos")
+        self._flag(body, "include_stop_str_in_output")
+        stops, stop_ids = self._stops(body)
+        # Chat sends a boolean and `top_logprobs` (alternatives), completions
+        # an integer (alternatives besides the sampled token, as vLLM).
         logprobs = body.get("logprobs")
-        if logprobs is not None and not isinstance(logprobs, bool):
-            logprobs = _number(body, "logprobs", 0, 0, 20, integer=True)
-        want = logprobs is not None and logprobs is not False
+        if chat:
+            want = self._flag(body, "logprobs")
+            top = _number(body, "top_logprobs", 0, 0, 20, integer=True)
+            if top and not want:
+                raise BadRequest("top_logprobs", "needs 'logprobs': true")
+        else:
+            top = 0
+            if logprobs is not None and not isinstance(logprobs, bool):
+                top = _number(body, "logprobs", 0, 0, 20, integer=True)
+            want = logprobs is not None and logprobs is not False
         sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                  top_k=top_k if top_k > 0 else -1, seed=seed)
+                                  top_k=top_k if top_k > 0 else -1, seed=seed, stop=stops, stop_token_ids=stop_ids,
+                                  min_tokens=min_tokens, ignore_eos=ignore_eos, logprobs=top if want else 0)
         spec = GroupSpec("", prompt, n, sampling)
         return spec, want
+
+    def session_id(self, request: web.Request, body: dict) -> str | None:
+        """The session key: the `X-Session-Id` header, else `user`."""
+        sid = request.headers.get(SESSION_HEADER)
+        param = SESSION_HEADER
+        if sid is None:
+            sid, param = body.get("user"), "user"
+        if sid is None:
+            return None
+        if not isinstance(sid, str) or not 0 < len(sid) <= 256:
+            raise BadRequest(param, f"must be a non-empty string of at most 256 characters, got {sid!r}")
+        return sid
 
     # -- endpoints ---------------------------------------------------------------
 
@@ -175,24 +371,34 @@ class OpenAIFrontEnd:
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         try:
             body = await self.parse_body(request)
+            check_keys(body, _CHAT_KEYS if chat else _COMPLETION_KEYS)
             if chat:
-                prompts = [self._chat_prompt(body.get("messages"))]
+                prompts = [self._chat_prompt(body.get("messages"), self.chat_tools(body))]
             else:
                 if "prompt" not in body:
                     raise BadRequest("prompt", "is required")
                 prompts = self._prompt_batch(body["prompt"])
-            specs = [self.group_spec(body, p) for p in prompts]
+            specs = [self.group_spec(body, p, chat) for p in prompts]
             want_logprobs = specs[0][1]
             stream = body.get("stream", False)
+            if stream is None:
+                stream = False
             if not isinstance(stream, bool):
                 raise BadRequest("stream", f"must be a boolean, got {stream!r}")
             if stream and len(prompts) > 1:
                 raise BadRequest("stream", "streams one prompt per request")
+            include_usage = self._stream_options(body, stream)
+            session = self.session_id(request, body)
+            if session is not None:
+                for spec, _ in specs:
+                    spec.metadata["session_id"] = session
         except BadRequest as exc:
             return error_response(400, str(exc), exc.param)
         groups = []
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
+        include_stop = body.get("include_stop_str_in_output") is True
+        ids_only = body.get("return_tokens_as_token_ids") is True
         try:
             try:
                 for spec, _ in specs:
@@ -200,11 +406,14 @@ class OpenAIFrontEnd:
             except CoreError as exc:
                 return error_response(429 if exc.code == "exhausted" else 400, str(exc), kind="server_overloaded")
             if stream:
-                return await self._stream(request, groups[0], rid, created, chat, want_logprobs)
-            results = await asyncio.gather(*(self.collect(g) for g in groups))
-            ids_only = body.get("return_tokens_as_token_ids") is True
+                return await self._stream(request, groups[0], rid, created, chat, want_logprobs, include_usage,
+                                          include_stop, ids_only)
+            tops = [{} for _ in groups]
+            results = await asyncio.gather(*(self.collect(g, t) for g, t in zip(groups, tops)))
             with_prompt = body.get("return_token_ids") is True and not chat
-            choices = [self._choice(s, chat, want_logprobs, ids_only, i * len(samples) + s.index, with_prompt)
+            choices = [self._choice(s, chat, want_logprobs, ids_only, i * len(samples) + s.index, with_prompt,
+                                    sampling=groups[i].spec.sampling, include_stop=include_stop,
+                                    tops=tops[i].get(s.index))
                        for i, samples in enumerate(results) for s in samples]
             completion_tokens = sum(len(s.response_token_ids) for samples in results for s in samples)
             usage = {"prompt_tokens": sum(map(len, prompts)), "completion_tokens": completion_tokens}
@@ -222,82 +431,146 @@ class OpenAIFrontEnd:
             if live:  # the client went away: free the engines
                 await self.core.abort(live)
 
-    async def collect(self, group) -> list[Sample]:
-        """Every sample of a group from `core.submit_private`, in index order."""
+    @staticmethod
+    def _stream_options(body: dict, stream: bool) -> bool:
+        """Whether a final usage chunk is wanted; BadRequest naming the field."""
+        options = body.get("stream_options")
+        if options is None:
+            return False
+        if not stream:
+            raise BadRequest("stream_options", "is only allowed with 'stream': true")
+        if not isinstance(options, dict):
+            raise BadRequest("stream_options", f"must be an object, got {options!r}")
+        for key in options:
+            if key != "include_usage" and not (key == "continuous_usage_stats" and options[key] in (None, False)):
+                raise BadRequest(f"stream_options.{key}", f"unsupported parameter 'stream_options.{key}'")
+        usage = options.get("include_usage", False)
+        if usage is None:
+            usage = False
+        if not isinstance(usage, bool):
+            raise BadRequest("stream_options.include_usage", f"must be a boolean, got {usage!r}")
+        return usage
+
+    async def collect(self, group, tops: dict | None = None) -> list[Sample]:
+        """Every sample of a group from `core.submit_private`, in index order;
+        `tops`, when given, gets each sample's per-token alternatives
+        (index -> list, None where an engine reported none)."""
         samples: list[Sample] = []
         while len(samples) < group.spec.num_samples:
             event = await group.listener.get()
             if isinstance(event, SampleEvent):
                 samples.append(event.sample)
+            elif tops is not None and event.delta.token_ids:
+                d = event.delta
+                tops.setdefault(event.index, []).extend(d.top_logprobs or [None] * len(d.token_ids))
         return sorted(samples, key=lambda s: s.index)
 
     def _text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
 
-    def _logprobs(self, ids: list[int], logprobs: list[float], chat: bool, ids_only: bool = False) -> dict:
-        # Only the sampled token's logprob is known: it is each position's one alternative.
-        tokens = [f"token_id:{t}" for t in ids] if ids_only else [self._text([t]) for t in ids]
+    def _token(self, t: int, ids_only: bool) -> str:
+        return f"token_id:{t}" if ids_only else self._text([t])
+
+    def _logprobs(self, ids: list[int], logprobs: list[float], chat: bool, ids_only: bool = False,
+                  alternatives: int = 0, tops: list | None = None) -> dict:
+        """Logprobs as vLLM returns them: per token the sampled one, and its
+        alternatives in vLLM's order (the sampled token first, then the top
+        ones by rank): chat lists the first `top_logprobs` of them,
+        completions maps the first `logprobs` + 1. Where an engine reported
+        no alternatives (simulated engines) only the sampled token is known."""
+        tokens = [self._token(t, ids_only) for t in ids]
+        lps = [max(lp, -9999.0) for lp in logprobs]
+        tops = list(tops or [])
+        tops = [tops[i] if i < len(tops) and tops[i] else [(t, lp)] for i, (t, lp) in enumerate(zip(ids, lps))]
         if chat:
-            return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                                for t, lp in zip(tokens, logprobs)]}
-        return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": [{t: lp} for t, lp in zip(tokens, logprobs)],
+            def entry(token: str, lp: float) -> dict:
+                return {"token": token, "logprob": max(lp, -9999.0), "bytes": list(token.encode(errors="replace"))}
+            return {"content": [{**entry(tok, lp),
+                                 "top_logprobs": [entry(self._token(a, ids_only), alp) for a, alp in top[:alternatives]]}
+                                for tok, lp, top in zip(tokens, lps, tops)]}
+        return {"tokens": tokens, "token_logprobs": lps,
+                "top_logprobs": [{self._token(a, ids_only): max(alp, -9999.0) for a, alp in top[:alternatives + 1]}
+                                 for top in tops],
                 "text_offset": None}
 
     def _choice(self, s: Sample, chat: bool, want_logprobs: bool, ids_only: bool = False, index: int | None = None,
-                with_prompt: bool = False) -> dict:
-        text = self._text(s.response_token_ids)
+                with_prompt: bool = False, sampling: SamplingParams | None = None, include_stop: bool = False,
+                tops: list | None = None) -> dict:
+        sampling = sampling or SamplingParams(max_tokens=1)
+        text = ResponseText(self._text, sampling.stop, include_stop, sampling.min_tokens)
+        text.push(s.response_token_ids, final=True)
+        finish = "stop" if text.stop_reason is not None else FINISH_REASONS.get(s.finish_reason, "stop")
         choice = {
             "index": s.index if index is None else index,
-            "finish_reason": FINISH_REASONS.get(s.finish_reason, "stop"),
-            "logprobs": self._logprobs(s.response_token_ids, s.logprobs, chat, ids_only) if want_logprobs else None,
+            "finish_reason": finish,
+            "stop_reason": text.stop_reason,
+            "logprobs": (self._logprobs(s.response_token_ids, s.logprobs, chat, ids_only, sampling.logprobs, tops)
+                         if want_logprobs else None),
             "token_ids": s.response_token_ids,
             "policy_versions": [{"version": v, "start": a, "length": n} for v, a, n in s.versions.segments],
         }
         if with_prompt:
             choice["prompt_token_ids"] = s.prompt_token_ids
         if chat:
-            choice["message"] = {"role": "assistant", "content": text}
+            choice["message"] = {"role": "assistant", "content": text.text}
         else:
-            choice["text"] = text
+            choice["text"] = text.text
         return choice
 
-    async def _stream(self, request, group, rid, created, chat, want_logprobs) -> web.StreamResponse:
+    async def _stream(self, request, group, rid, created, chat, want_logprobs, include_usage=False,
+                      include_stop=False, ids_only=False) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         obj = "chat.completion.chunk" if chat else "text_completion"
+        sampling = group.spec.sampling
 
-        async def send(choice: dict, version: int) -> None:
-            chunk = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [choice],
+        async def send(choices: list[dict], version: int, usage: dict | None = None) -> None:
+            chunk = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": choices,
                      "policy_version": version}
+            if include_usage:
+                chunk["usage"] = usage
             await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
 
+        def content(choice: dict, piece: str) -> dict:
+            if chat:
+                choice["delta"] = {"content": piece} if piece else {}
+            else:
+                choice["text"] = piece
+            return choice
+
+        texts = [ResponseText(self._text, sampling.stop, include_stop, sampling.min_tokens)
+                 for _ in range(group.spec.num_samples)]
         if chat:
             for i in range(group.spec.num_samples):
-                await send({"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}, self.core.policy_version)
+                await send([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
+                           self.core.policy_version)
         done = 0
+        prompt_tokens = len(group.spec.prompt_token_ids)
+        completion_tokens = 0
         while done < group.spec.num_samples:
             event = await group.listener.get()
             if isinstance(event, DeltaEvent):
                 index, delta = event.index, event.delta
                 if not delta.token_ids:
                     continue
-                text = self._text(delta.token_ids)
-                choice = {"index": index, "finish_reason": None, "token_ids": delta.token_ids,
-                          "logprobs": self._logprobs(delta.token_ids, delta.logprobs, chat) if want_logprobs else None}
-                if chat:
-                    choice["delta"] = {"content": text}
-                else:
-                    choice["text"] = text
-                await send(choice, delta.version)
+                piece = texts[index].push(delta.token_ids)
+                logprobs = (self._logprobs(delta.token_ids, delta.logprobs, chat, ids_only, sampling.logprobs,
+                                           delta.top_logprobs) if want_logprobs else None)
+                await send([content({"index": index, "finish_reason": None, "token_ids": delta.token_ids,
+                                     "logprobs": logprobs}, piece)], delta.version)
             elif isinstance(event, SampleEvent):
                 s = event.sample
                 done += 1
-                final = {"index": s.index, "finish_reason": FINISH_REASONS.get(s.finish_reason, "stop"), "logprobs": None}
-                if chat:
-                    final["delta"] = {}
-                else:
-                    final["text"] = ""
-                await send(final, s.versions.max_version)
+                completion_tokens += len(s.response_token_ids)
+                text = texts[s.index]
+                piece = text.finish()
+                finish = "stop" if text.stop_reason is not None else FINISH_REASONS.get(s.finish_reason, "stop")
+                final = {"index": s.index, "finish_reason": finish, "stop_reason": text.stop_reason, "logprobs": None}
+                await send([content(final, piece)], s.versions.max_version)
+        if include_usage:
+            await send([], self.core.policy_version, {"prompt_tokens": prompt_tokens,
+                                                      "completion_tokens": completion_tokens,
+                                                      "total_tokens": prompt_tokens + completion_tokens})
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp

@@ -12,7 +12,9 @@ others) find here what they ask for besides the OpenAI endpoints
   names, dtypes and shapes (what a weight push may carry).
 - `GET /get_world_size`: the number of engines.
 - `POST /inference/v1/generate`: token ids in, token ids out (one prompt,
-  `sampling_params`, no multimodal features, no streaming).
+  `sampling_params`, no multimodal features, no streaming); a key this
+  server does not honour, at the top or in `sampling_params`, is a 400
+  naming it.
 - `POST /reset_prefix_cache`: the engines drop their prefix caches at every
   weight update by themselves; answers `{"success": true}`.
 - `GET /weight_info`: the serving policy version.
@@ -33,7 +35,7 @@ import uuid
 
 from aiohttp import web
 
-from rollout_service.api.openai_http import FINISH_REASONS, BadRequest, OpenAIFrontEnd, error_response
+from rollout_service.api.openai_http import FINISH_REASONS, BadRequest, OpenAIFrontEnd, check_keys, error_response
 from rollout_service.core.rollout import CoreError, RolloutCore
 from rollout_service.lifecycle.types import Sample
 
@@ -52,6 +54,14 @@ NO_NCCL = (
     "PushWeights instead (trainer_client.RolloutClient.push_weights, or for TRL the helpers in "
     "trainer_client.trl; see docs/trl.md)"
 )
+
+
+_GENERATE_KEYS = {"request_id", "model", "token_ids", "features", "content_parts", "sampling_params", "stream",
+                  "return_token_ids"}
+# vLLM SamplingParams keys honoured here (the text-only ones are moot: tokens out).
+_GENERATE_SAMPLING_KEYS = {"n", "max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "stop",
+                           "stop_token_ids", "include_stop_str_in_output", "min_tokens", "ignore_eos",
+                           "output_kind", "detokenize", "skip_special_tokens", "spaces_between_special_tokens"}
 
 
 def _renamed(exc: BadRequest, param: str) -> BadRequest:
@@ -144,6 +154,7 @@ class VllmCompat:
         front = self.front
         try:
             body = await front.parse_body(request)
+            check_keys(body, _GENERATE_KEYS)
             if body.get("features") is not None or body.get("content_parts") is not None:
                 raise BadRequest("features", "multimodal inputs are not supported by this server")
             if body.get("stream"):
@@ -159,6 +170,7 @@ class VllmCompat:
             if not isinstance(sampling, dict):
                 raise BadRequest("sampling_params", "must be an object")
             try:
+                check_keys(sampling, _GENERATE_SAMPLING_KEYS)
                 spec, want_logprobs = front.group_spec(sampling, prompt)
             except BadRequest as exc:
                 raise _renamed(exc, f"sampling_params.{exc.param}") from None
@@ -169,7 +181,8 @@ class VllmCompat:
         except CoreError as exc:
             return error_response(429 if exc.code == "exhausted" else 400, str(exc), kind="server_overloaded")
         try:
-            samples = await front.collect(group)
+            tops: dict = {}
+            samples = await front.collect(group, tops)
         finally:
             if group.group_id in self.core.groups:  # the client went away: free the engines
                 await self.core.abort([group.group_id])
@@ -178,7 +191,7 @@ class VllmCompat:
             "model": front.model_name,
             "created": int(time.time()),
             "output_mode": "tokens",
-            "choices": [self._choice(s, want_logprobs) for s in samples],
+            "choices": [self._choice(s, want_logprobs, spec.sampling.logprobs, tops.get(s.index)) for s in samples],
             "usage": {"prompt_tokens": len(prompt),
                       "completion_tokens": sum(len(s.response_token_ids) for s in samples)},
             "policy_version": max(s.versions.max_version for s in samples),
@@ -189,15 +202,22 @@ class VllmCompat:
         return web.json_response(response)
 
     @staticmethod
-    def _choice(s: Sample, want_logprobs: bool) -> dict:
+    def _choice(s: Sample, want_logprobs: bool, alternatives: int = 0, tops: list | None = None) -> dict:
         # Each logprob entry carries the token both as an id (vLLM's generate
-        # protocol) and as "token_id:<id>" (what OpenAI-shaped readers parse).
+        # protocol) and as "token_id:<id>" (what OpenAI-shaped readers parse);
+        # its top_logprobs are the first `logprobs` + 1 of the sampled token
+        # and its alternatives, in vLLM's order (the sampled token alone
+        # where the engine reported none).
+        def entry(t: int, lp: float) -> dict:
+            return {"token": f"token_id:{t}", "token_id": t, "logprob": max(lp, -9999.0)}
+
         content = None
         if want_logprobs:
             content = []
-            for t, lp in zip(s.response_token_ids, s.logprobs):
-                entry = {"token": f"token_id:{t}", "token_id": t, "logprob": lp}
-                content.append({**entry, "top_logprobs": [dict(entry)]})
+            tops = tops or []
+            for i, (t, lp) in enumerate(zip(s.response_token_ids, s.logprobs)):
+                top = (tops[i] if i < len(tops) and tops[i] else [(t, lp)])[:alternatives + 1]
+                content.append({**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in top]})
         return {
             "index": s.index,
             "finish_reason": FINISH_REASONS.get(s.finish_reason, "stop"),

@@ -259,12 +259,20 @@ class SimEngine:
         self._state = EngineState.READY
 
     def _target_length(self, req: EngineRequest) -> int:
+        """The response length at which the end token comes: the hint or a
+        draw, at least `min_tokens` tokens before it; never with `ignore_eos`
+        (the request runs to its budget). Stop strings need text, which a
+        simulated engine has none of: the OpenAI edge refuses them here."""
+        if req.sampling.ignore_eos:
+            return 1 << 62
         hint = req.hints.get("target_length")
         if hint:
-            return max(1, int(hint))
-        rng = random.Random(_hash_u64(self.params.seed, req.request_id, "len"))
-        p = self.params
-        return max(1, int(round(p.length_median * math.exp(p.length_sigma * rng.gauss(0, 1)))))
+            target = max(1, int(hint))
+        else:
+            rng = random.Random(_hash_u64(self.params.seed, req.request_id, "len"))
+            p = self.params
+            target = max(1, int(round(p.length_median * math.exp(p.length_sigma * rng.gauss(0, 1)))))
+        return max(target, req.sampling.min_tokens + 1)
 
     def add(self, request: EngineRequest) -> AsyncIterator[TokenDelta]:
         if self._state == EngineState.DEAD:

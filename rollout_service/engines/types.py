@@ -27,7 +27,18 @@ class FinishReason(enum.IntEnum):
 
 @dataclass(slots=True, frozen=True)
 class SamplingParams:
-    """Per-group sampling settings; validated at the edge."""
+    """Per-group sampling settings; validated at the edge.
+
+    `stop` are stop strings: an engine that detokenises (vLLM) ends a
+    request when its generated text contains one (finish STOP; the tokens up
+    to and including the one completing the string are returned, the edge
+    trims the text). `min_tokens` suppresses end and stop tokens (and stop
+    strings) until that many tokens were generated; `ignore_eos` keeps
+    generating past the end token (stop_token_ids still stop). `logprobs` is
+    how many top alternatives to report per token besides the sampled one
+    (0: the sampled token's logprob only). Counts are of the whole response:
+    an engine continuing a partial response subtracts what was generated.
+    """
 
     max_tokens: int
     temperature: float = 1.0
@@ -35,6 +46,14 @@ class SamplingParams:
     top_k: int = -1
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    stop: tuple[str, ...] = ()
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: int = 0
+
+    def __post_init__(self) -> None:  # lists (e.g. from JSON) become tuples
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "stop", tuple(self.stop))
 
 
 @dataclass(slots=True)
@@ -60,7 +79,11 @@ class TokenDelta:
     """New tokens of one request from one engine step.
 
     `version` is the policy version of the weights that sampled them.
-    `finish_reason` is set on the last delta of a request.
+    `finish_reason` is set on the last delta of a request. `top_logprobs`,
+    when the request asked for alternatives (`SamplingParams.logprobs`) and
+    the engine knows them, holds per token the (token id, logprob) pairs
+    in vLLM's order: the sampled token first, then the top alternatives by
+    rank (the sampled one not repeated); None when the engine has none.
     """
 
     token_ids: list[int]
@@ -69,6 +92,7 @@ class TokenDelta:
     finish_reason: FinishReason | None = None
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass(slots=True)

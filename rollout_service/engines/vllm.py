@@ -266,18 +266,26 @@ class VllmEngine:
         from vllm.sampling_params import RequestOutputKind
 
         sp = request.sampling
+        # A continued request (re-prefilled with its partial response) counts
+        # min_tokens from its new tokens: subtract what was generated. Stop
+        # strings are looked for in the text vLLM detokenises from this
+        # request's output only (a string straddling the point where it was
+        # continued is missed); detokenising costs, so only when needed.
         return SamplingParams(
             n=1,
             temperature=sp.temperature,
             top_p=sp.top_p,
             top_k=sp.top_k if sp.top_k > 0 else 0,
             max_tokens=request.max_new_tokens,
+            min_tokens=min(request.max_new_tokens, max(0, sp.min_tokens - len(request.generated_token_ids))),
+            ignore_eos=sp.ignore_eos,
             stop_token_ids=list(sp.stop_token_ids),
+            stop=list(sp.stop) or None,
             seed=sp.seed,
-            logprobs=0,
+            logprobs=sp.logprobs,
             output_kind=RequestOutputKind.DELTA,
             skip_special_tokens=False,
-            detokenize=False,
+            detokenize=bool(sp.stop),
         )
 
     def add(self, request: EngineRequest) -> AsyncIterator[TokenDelta]:
@@ -316,6 +324,12 @@ class VllmEngine:
                 lps = [next(iter(d.values())).logprob if d else 0.0 for d in (comp.logprobs or [])] if ids else []
                 if len(lps) < len(ids):
                     lps += [0.0] * (len(ids) - len(lps))
+                tops = None
+                if request.sampling.logprobs > 0 and ids:
+                    # vLLM's order: the sampled token first, then the top ones by rank.
+                    tops = [[(int(t), float(lp.logprob)) for t, lp in d.items()] if d else []
+                            for d in (comp.logprobs or [])]
+                    tops += [[]] * (len(ids) - len(tops))
                 start = len(seq.generated)
                 versions = self._versions_of(rid, start, start + len(ids))
                 if seq.done:
@@ -338,7 +352,8 @@ class VllmEngine:
                         j += 1
                     last = j == len(ids)
                     yield TokenDelta(ids[i:j], lps[i:j], versions[i], finish if last else None,
-                                     drafted if last else 0, accepted if last else 0)
+                                     drafted if last else 0, accepted if last else 0,
+                                     tops[i:j] if tops is not None else None)
                     i = j
                 if not ids and finish is not None:
                     yield TokenDelta([], [], self._version, finish, drafted, accepted)
