@@ -139,11 +139,11 @@ def main(argv: list[str] | None = None) -> int:
               "repeats": args.repeats,
               "cores": args.cores, "load_average_before": load_before, "load_average_after": load_after,
               "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
-    if args.report:
-        out = Path(args.report)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "padded_target.json").write_text(json.dumps(report, indent=2))
-        print(f"wrote {out / 'padded_target.json'}")
+    from load_tests.report import save_json  # not at the top: workers run this file as a script
+
+    path = save_json(args.report, "padded_target.json", report)
+    if path is not None:
+        print(f"wrote {path}")
     return 0
 
 

@@ -20,13 +20,12 @@ engines' hints, so the true lengths are known exactly.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from load_tests.runner import RunConfig, run_policy
 from load_tests.workloads import load_workload
 from load_tests.policies import parse_policy
+from load_tests.report import save_json
 from rollout_service.lifecycle.types import Request
 from rollout_service.scheduling.length_predictor import LengthPredictor
 
@@ -170,9 +169,7 @@ def main(args) -> int:
                                 args.groups_per_step, args.length_scale))
             print(markdown(rows[-1:]).splitlines()[-1], flush=True)
     print(markdown(rows))
-    if args.report:
-        out = Path(args.report)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "predictor.json").write_text(json.dumps(rows, indent=2))
-        print(f"report: {out / 'predictor.json'}")
+    path = save_json(args.report, "predictor.json", rows)
+    if path is not None:
+        print(f"report: {path}")
     return 0

@@ -16,8 +16,8 @@ import os
 import shutil
 from pathlib import Path
 
-from rollout_service.core.delivery import Consumer
-from rollout_service.core.snapshot import CoreSnapshot, DeliveredEntry
+from rollout_service.core.delivery import Consumer, Entry
+from rollout_service.core.snapshot import CoreSnapshot
 from rollout_service.engines.types import FinishReason, SamplingParams
 from rollout_service.lifecycle.types import Group, GroupSpec, Request, Sample
 from rollout_service.lifecycle.versions import VersionTags
@@ -111,7 +111,7 @@ def load(state_dir: str) -> CoreSnapshot | None:
         policy_version=state["policy_version"],
         groups=groups,
         done_group_ids=list(state["done_groups"]),
-        entries=[DeliveredEntry(e["cursor"], _sample_from(e["sample"]), e["group_complete"]) for e in state["entries"]],
+        entries=[Entry(e["cursor"], _sample_from(e["sample"]), e["group_complete"]) for e in state["entries"]],
         last_cursor=state["last_cursor"],
         consumers=[Consumer(cid, acked) for cid, acked in state["consumers"].items()],
         counters=state["counters"],

@@ -4,16 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rollout_service.core.delivery import Consumer
+from rollout_service.core.delivery import Consumer, Entry
 from rollout_service.engines.weights import StagedWeights
-from rollout_service.lifecycle.types import Group, Sample
-
-
-@dataclass(slots=True)
-class DeliveredEntry:
-    cursor: int
-    sample: Sample
-    group_complete: bool
+from rollout_service.lifecycle.types import Group
 
 
 @dataclass(slots=True)
@@ -25,7 +18,7 @@ class CoreSnapshot:
     policy_version: int
     groups: list[Group] = field(default_factory=list)
     done_group_ids: list[str] = field(default_factory=list)  # Submit stays idempotent
-    entries: list[DeliveredEntry] = field(default_factory=list)
+    entries: list[Entry] = field(default_factory=list)
     last_cursor: int = 0
     consumers: list[Consumer] = field(default_factory=list)
     counters: dict[str, int] = field(default_factory=dict)
