@@ -14,11 +14,11 @@ from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from rollout_proto import rollout_pb2, rollout_pb2_grpc
+from rollout_proto import rollout_pb2
 from rollout_service.api.auth import AuthInterceptor, TokenAuth, http_middleware
 from rollout_service.api.http import make_app
 from rollout_service.api.openai_http import OpenAIFrontEnd
-from rollout_service.api.servicer import RolloutServicer
+from rollout_service.api.servicer import RolloutServicer, add_servicer
 from rollout_service.api.validation import ModelLimits
 from rollout_service.config import ServiceConfig
 from rollout_service.core.clock import Clock
@@ -114,7 +114,7 @@ class RolloutService:
             cfg.push_idle_timeout_s,
             self.spec_runtime,
         )
-        rollout_pb2_grpc.add_RolloutServiceServicer_to_server(servicer, self._grpc)
+        add_servicer(servicer, self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
