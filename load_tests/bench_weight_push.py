@@ -96,7 +96,9 @@ def _serve(conn, max_message_mb: int) -> None:
         service = RolloutService(cfg)
         await service.start()
         conn.send(service.grpc_port)
-        await asyncio.get_running_loop().run_in_executor(None, conn.recv)
+        # "cpu": this process's CPU seconds so far (every thread); "stop".
+        while await asyncio.get_running_loop().run_in_executor(None, conn.recv) == "cpu":
+            conn.send(time.process_time())
         await service.stop()
 
     asyncio.run(run())
@@ -122,33 +124,43 @@ async def _matrix(gib: float, chunk_mbs: list[float], repeats: int) -> list[dict
     proc = ctx.Process(target=_serve, args=(child, 64), daemon=True)
     proc.start()
     rows: list[dict] = []
+    loop = asyncio.get_running_loop()
+
+    async def server_cpu() -> float:
+        parent.send("cpu")
+        return await loop.run_in_executor(None, parent.recv)
+
     try:
-        port = await asyncio.get_running_loop().run_in_executor(None, parent.recv)
+        port = await loop.run_in_executor(None, parent.recv)
         async with RolloutClient(f"127.0.0.1:{port}", max_message_mb=64) as client:
             await client.wait_ready()
             version = 0
             await client.push_weights({"warmup": np.ones(1024, np.float32)}, version=(version := version + 1))
             for checksums in ("xxh3", "sha256", False):
                 for chunk_mb in chunk_mbs:
-                    times = []
+                    times, cpu = [], []
                     for _ in range(repeats):
+                        c0, s0 = time.process_time(), await server_cpu()
                         t = time.perf_counter()
                         reply = await client.push_weights(sd, version=(version := version + 1), chunk_mb=chunk_mb,
                                                           checksums=checksums)
                         times.append(time.perf_counter() - t)
+                        cpu.append((time.process_time() - c0, await server_cpu() - s0))
                         assert reply.applied_version == version
-                    rows.append(_row("grpc", checksums or "none", chunk_mb, nbytes, times))
+                    rows.append(_row("grpc", checksums or "none", chunk_mb, nbytes, times, cpu))
             directory = "/dev/shm" if os.path.isdir("/dev/shm") else None
-            times = []
+            times, cpu = [], []
             for _ in range(repeats):
                 with tempfile.NamedTemporaryFile(suffix=".safetensors", dir=directory) as f:
                     tensors = [WeightTensor(k, "float32", v.shape, memoryview(v).cast("B")) for k, v in sd.items()]
+                    c0, s0 = time.process_time(), await server_cpu()
                     t = time.perf_counter()
                     write_safetensors(f.name, tensors)  # the trainer's side of the fast path
                     reply = await client.push_weights_file(f.name, version=(version := version + 1))
                     times.append(time.perf_counter() - t)
+                    cpu.append((time.process_time() - c0, await server_cpu() - s0))
                     assert reply.applied_version == version
-            rows.append(_row("file", "none", 0, nbytes, times))
+            rows.append(_row("file", "none", 0, nbytes, times, cpu))
     finally:
         parent.send("stop")
         proc.join(30)
@@ -157,11 +169,17 @@ async def _matrix(gib: float, chunk_mbs: list[float], repeats: int) -> list[dict
     return rows
 
 
-def _row(path: str, checksums: str, chunk_mb: float, nbytes: int, times: list[float]) -> dict:
+def _row(path: str, checksums: str, chunk_mb: float, nbytes: int, times: list[float],
+         cpu: list[tuple[float, float]]) -> dict:
+    """Wall-clock figures, and CPU seconds per GB on each side (every
+    thread of the process; less sensitive to other load on the host)."""
     best = min(times)
+    gb = nbytes / 1e9
     return {"path": path, "checksums": checksums, "chunk_mb": chunk_mb, "bytes": nbytes, "engines": 2,
             "best_s": round(best, 3), "mean_s": round(statistics.fmean(times), 3),
-            "best_gb_per_s": round(nbytes / best / 1e9, 2), "mean_gb_per_s": round(nbytes / statistics.fmean(times) / 1e9, 2),
+            "best_gb_per_s": round(gb / best, 2), "mean_gb_per_s": round(gb / statistics.fmean(times), 2),
+            "client_cpu_s_per_gb": round(min(c for c, _ in cpu) / gb, 2),
+            "server_cpu_s_per_gb": round(min(s for _, s in cpu) / gb, 2),
             "runs": len(times)}
 
 
@@ -193,11 +211,13 @@ def main() -> None:
     load_after = os.getloadavg()
     print(f"\n{args.matrix_gib:g} GiB float32 to 2 sim engines, service in its own process, end to end "
           f"(best / mean of {args.repeats}); load average {load_before[0]:.2f} before, {load_after[0]:.2f} after")
-    print(f"{'path':>6}{'checksums':>11}{'chunk MiB':>11}{'best s':>9}{'GB/s':>7}{'mean s':>9}{'GB/s':>7}")
+    print(f"{'path':>6}{'checksums':>11}{'chunk MiB':>11}{'best s':>9}{'GB/s':>7}{'mean s':>9}{'GB/s':>7}"
+          f"{'client CPU s/GB':>17}{'server CPU s/GB':>17}")
     for r in matrix:
         chunk = f"{r['chunk_mb']:g}" if r["path"] == "grpc" else "-"
         print(f"{r['path']:>6}{r['checksums']:>11}{chunk:>11}{r['best_s']:>9.3f}{r['best_gb_per_s']:>7.2f}"
-              f"{r['mean_s']:>9.3f}{r['mean_gb_per_s']:>7.2f}")
+              f"{r['mean_s']:>9.3f}{r['mean_gb_per_s']:>7.2f}{r['client_cpu_s_per_gb']:>17.2f}"
+              f"{r['server_cpu_s_per_gb']:>17.2f}")
     if args.report:
         (Path(args.report) / "weight_push_matrix.json").write_text(json.dumps(
             {"loadavg_before": load_before, "loadavg_after": load_after, "rows": matrix}, indent=2))

@@ -21,6 +21,7 @@ from rollout_service.api.openai_http import OpenAIFrontEnd
 from rollout_service.api.servicer import RolloutServicer, add_servicer
 from rollout_service.api.validation import ModelLimits
 from rollout_service.config import ServiceConfig
+from rollout_service.engines.weights import drop_spare
 from rollout_service.core.clock import Clock
 from rollout_service.core.rollout import CoreLimits, RolloutCore
 from rollout_service.drafter.runtime import SpecRuntime
@@ -158,6 +159,10 @@ class RolloutService:
             await self.spec_runtime.stop()
         if self.core:
             await self.core.stop()
+            last = self.core.weight_sync.last  # the serving version's staging file
+            if last is not None:
+                last.cleanup()
+        drop_spare()  # the staging file kept for the next weight push
 
     async def serve_forever(self) -> None:
         """Start, then run until SIGINT or SIGTERM."""

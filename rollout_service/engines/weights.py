@@ -12,6 +12,7 @@ once, at its final place; no buffer, no split.
 """
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import math
@@ -199,6 +200,36 @@ def _staging_dir() -> str | None:
     return "/dev/shm" if os.path.isdir("/dev/shm") else None
 
 
+# The staging file of a superseded push, kept (with its memory pages) for the
+# next push to receive into: writing into fresh shared-memory pages costs
+# about twice as much CPU as rewriting allocated ones (the kernel allocates
+# and zeroes each page). At most one; `drop_spare()` releases it.
+_spare: list[str] = []
+
+
+def _recycle(path: str) -> None:
+    """Keep `path` as the spare staging file (replacing an older spare)."""
+    import tempfile
+
+    drop_spare()
+    fd, spare = tempfile.mkstemp(prefix="rollout-weights-spare-", suffix=".safetensors", dir=os.path.dirname(path))
+    os.close(fd)
+    os.replace(path, spare)
+    _spare.append(spare)
+
+
+def drop_spare() -> None:
+    """Remove the spare staging file (at shutdown; or to give back its memory)."""
+    while _spare:
+        try:
+            os.unlink(_spare.pop())
+        except FileNotFoundError:
+            pass
+
+
+atexit.register(drop_spare)
+
+
 class StagingWriter:
     """Receives a push's bytes, in order and in chunks of any size, straight
     into a new staging safetensors file: every chunk is written once at its
@@ -219,6 +250,13 @@ class StagingWriter:
         self.prefix = prefix
         head = _safetensors_header((s.name, s.dtype, s.shape, s.byte_length) for s in specs)
         fd, self.path = tempfile.mkstemp(prefix=prefix, suffix=".safetensors", dir=_staging_dir())
+        if _spare:  # reuse a superseded push's pages (see _recycle)
+            try:
+                os.replace(_spare.pop(), self.path)
+                os.close(fd)
+                fd = os.open(self.path, os.O_RDWR)
+            except OSError:
+                pass
         self._fd = fd
         try:
             os.pwrite(fd, head, 0)
@@ -290,7 +328,7 @@ class StagingWriter:
         for s in self.specs:
             tensors.append(WeightTensor(s.name, s.dtype, s.shape, view[offset : offset + s.byte_length]))
             offset += s.byte_length
-        return StagedWeights(tensors, source_path=self.path, prefix=self.prefix, owned=True)
+        return StagedWeights(tensors, source_path=self.path, prefix=self.prefix, owned=True, recycle=True)
 
     def abort(self) -> None:
         if self._fd >= 0:
@@ -323,11 +361,12 @@ class StagedWeights:
     the push already came as a file (the same-host fast path)."""
 
     def __init__(self, tensors: list[WeightTensor], source_path: str | None = None,
-                 prefix: str = "rollout-weights-", owned: bool = False) -> None:
+                 prefix: str = "rollout-weights-", owned: bool = False, recycle: bool = False) -> None:
         self.tensors = tensors
         self.prefix = prefix  # of the staging file's name
         self._path = source_path
         self._owned = owned  # cleanup() removes source_path
+        self._recycle = recycle  # ... or keeps it for the next push to receive into (StagingWriter's files)
         self._lock = None
 
     @property
@@ -370,9 +409,14 @@ class StagedWeights:
         return self._path
 
     def cleanup(self) -> None:
+        """Remove the staging file we own (the tensors' views must no longer
+        be read: a received push's file may be reused by the next push)."""
         if self._owned and self._path:
             try:
-                os.unlink(self._path)
+                if self._recycle:
+                    _recycle(self._path)
+                else:
+                    os.unlink(self._path)
             except FileNotFoundError:
                 pass
             self._path, self._owned = None, False
