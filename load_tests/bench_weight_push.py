@@ -136,7 +136,7 @@ async def _matrix(gib: float, chunk_mbs: list[float], repeats: int) -> list[dict
             await client.wait_ready()
             version = 0
             await client.push_weights({"warmup": np.ones(1024, np.float32)}, version=(version := version + 1))
-            for checksums in ("xxh3", "sha256", False):
+            for checksums in (False, "xxh3", "sha256"):
                 for chunk_mb in chunk_mbs:
                     times, cpu = [], []
                     for _ in range(repeats):

@@ -229,7 +229,7 @@ class RolloutClient:
     # -- weights -------------------------------------------------------------------
 
     async def push_weights(
-        self, state_dict: Mapping[str, object], version: int, chunk_mb: float = 8.0,
+        self, state_dict: Mapping[str, object], version: int, chunk_mb: float = 4.0,
         checksums: bool | str = "xxh3", target: str = "policy",
     ) -> PushResult:
         """Stream a state dict to the service; returns when `version` serves
