@@ -8,7 +8,10 @@ import grpc
 import numpy as np
 import pytest
 
+from rollout_proto import rollout_pb2 as pb
+from rollout_service.engines.weights import read_safetensors
 from trainer_client import PromptGroup, RolloutClient
+from trainer_client import weights as wire
 
 from conftest import connect, running, sim_config, unique
 from test_streaming import collect
@@ -92,9 +95,6 @@ async def test_push_after_a_failed_one_applies(service, rclient):
 
 # -- checksums: the algorithm choice, verified while receiving ---------------------------
 
-from rollout_proto import rollout_pb2 as pb  # noqa: E402
-from rollout_service.engines.weights import read_safetensors  # noqa: E402
-from trainer_client import weights as wire  # noqa: E402
 
 
 def _state_dict(seed: int = 0) -> dict[str, np.ndarray]:

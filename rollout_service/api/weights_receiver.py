@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import json
 import struct
 from concurrent.futures import ThreadPoolExecutor
@@ -217,12 +218,12 @@ async def _receive_into_file(messages: AsyncIterable, specs: list[TensorSpec]) -
             raise FieldError("data", f"the stream ended after {received} of the manifest's {writer.total} bytes")
         return writer.finish()
     except BaseException:
-        for fut in pending:  # let the writer thread finish before the file goes
-            try:
-                await fut
-            except BaseException:
-                pass
-        writer.abort()
+        try:
+            for fut in pending:  # let the writer thread finish before the file goes
+                with contextlib.suppress(Exception):
+                    await fut
+        finally:
+            writer.abort()
         raise
     finally:
         pool.shutdown(wait=False)

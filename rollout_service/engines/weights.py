@@ -192,8 +192,7 @@ def write_safetensors(path: str, tensors: list[WeightTensor]) -> None:
     """Write tensors as a safetensors file (no framework needed)."""
     with open(path, "wb") as f:
         f.write(_safetensors_header((t.name, t.dtype, t.shape, len(t.data)) for t in tensors))
-        for t in tensors:
-            f.write(t.data)
+        f.writelines(t.data for t in tensors)
 
 
 def _staging_dir() -> str | None:
