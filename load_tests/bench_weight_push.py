@@ -13,6 +13,7 @@ algorithm and chunk size side by side, plus the same-host file path.
 
     python -m load_tests.bench_weight_push [--quick] [--report DIR]
         [--no-matrix] [--matrix-gib 1] [--chunks-mb 1,4,8,16] [--repeats 2]
+        [--checksums none,xxh3,sha256]
 """
 from __future__ import annotations
 
@@ -116,7 +117,8 @@ def _gib_state_dict(gib: float) -> dict[str, np.ndarray]:
     return out
 
 
-async def _matrix(gib: float, chunk_mbs: list[float], repeats: int) -> list[dict]:
+async def _matrix(gib: float, chunk_mbs: list[float], repeats: int,
+                  algos: tuple = (False, "xxh3", "sha256")) -> list[dict]:
     sd = _gib_state_dict(gib)
     nbytes = sum(a.nbytes for a in sd.values())
     ctx = mp.get_context("spawn")
@@ -136,7 +138,7 @@ async def _matrix(gib: float, chunk_mbs: list[float], repeats: int) -> list[dict
             await client.wait_ready()
             version = 0
             await client.push_weights({"warmup": np.ones(1024, np.float32)}, version=(version := version + 1))
-            for checksums in (False, "xxh3", "sha256"):
+            for checksums in algos:
                 for chunk_mb in chunk_mbs:
                     times, cpu = [], []
                     for _ in range(repeats):
@@ -191,6 +193,7 @@ def main() -> None:
     p.add_argument("--matrix-gib", type=float, default=1.0, help="size of the matrix's state dict, GiB")
     p.add_argument("--chunks-mb", default="1,4,8,16", help="chunk sizes of the matrix, MiB")
     p.add_argument("--repeats", type=int, default=2, help="pushes per matrix cell (best and mean reported)")
+    p.add_argument("--checksums", default="none,xxh3,sha256", help="checksum choices of the matrix")
     args = p.parse_args()
     sizes = [10_000_000] if args.quick else [10_000_000, 100_000_000]
     rows = []
@@ -207,7 +210,8 @@ def main() -> None:
         return
     chunk_mbs = [float(c) for c in args.chunks_mb.split(",")]
     load_before = os.getloadavg()
-    matrix = asyncio.run(_matrix(args.matrix_gib, chunk_mbs, args.repeats))
+    algos = tuple(False if c == "none" else c for c in args.checksums.split(","))
+    matrix = asyncio.run(_matrix(args.matrix_gib, chunk_mbs, args.repeats, algos))
     load_after = os.getloadavg()
     print(f"\n{args.matrix_gib:g} GiB float32 to 2 sim engines, service in its own process, end to end "
           f"(best / mean of {args.repeats}); load average {load_before[0]:.2f} before, {load_after[0]:.2f} after")

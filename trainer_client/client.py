@@ -229,7 +229,7 @@ class RolloutClient:
     # -- weights -------------------------------------------------------------------
 
     async def push_weights(
-        self, state_dict: Mapping[str, object], version: int, chunk_mb: float = 4.0,
+        self, state_dict: Mapping[str, object], version: int, chunk_mb: float = 2.0,
         checksums: bool | str = "xxh3", target: str = "policy",
     ) -> PushResult:
         """Stream a state dict to the service; returns when `version` serves
@@ -240,8 +240,9 @@ class RolloutClient:
         Args:
             state_dict: tensor name -> torch tensor or NumPy array.
             version: the new policy version; must exceed the serving one.
-            chunk_mb: size of each streamed message, in MiB (1-16 stream
-                best; the service's max_message_mb bounds it).
+            chunk_mb: size of each streamed message, in MiB (1-2 stream
+                best on loopback; 4 and more fall into a slow mode of
+                gRPC's sender at times; max_message_mb bounds it).
             checksums: a checksum per tensor, verified by the service as
                 the bytes arrive: "xxh3" (the default, xxHash XXH3-128,
                 ~8 GB/s; catches corruption, not tampering), "xxh3_64",
