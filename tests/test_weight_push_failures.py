@@ -224,3 +224,41 @@ def test_parse_chunk_reads_data_messages_without_protobuf_and_the_rest_with_it()
     assert parse_chunk(header.SerializeToString()).header.version == 3
     twice = pb.WeightsChunk(data=b"abc").SerializeToString() + pb.WeightsChunk(data=b"defg").SerializeToString()
     assert parse_chunk(twice).data == b"defg"  # protobuf's rule (last one wins), not a view of the first
+
+
+async def test_a_refused_or_abandoned_push_leaves_no_staging_file(service, rclient, monkeypatch):
+    import os
+
+    from rollout_service.api import weights_receiver
+
+    paths = []
+
+    class Recording(weights_receiver.StagingWriter):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            paths.append(self.path)
+
+    monkeypatch.setattr(weights_receiver, "StagingWriter", Recording)
+    before = (await rclient.status()).policy_version
+    with pytest.raises(grpc.aio.AioRpcError):
+        await _corrupt_push(rclient, _state_dict(), before + 1, "xxh3", chunk_index=1)
+    # A stream that stops half-way through (the sender goes away).
+    tensors = wire.flatten(_state_dict())
+    header = pb.WeightsHeader(version=before + 1, tensors=wire.manifest(tensors, "xxh3"), checksum_algo="xxh3_128")
+
+    def half():
+        for i, chunk in enumerate(wire.chunks(header, tensors, 4096)):
+            if i == 2:
+                raise RuntimeError("trainer died")
+            yield chunk
+
+    with pytest.raises((grpc.aio.AioRpcError, asyncio.CancelledError)):  # grpc cancels the call
+        await rclient._push(half())
+    # The service learns of the cancelled stream asynchronously (and may
+    # not have read the header by then: then it made no file).
+    for _ in range(50):
+        if not any(os.path.exists(p) for p in paths):
+            break
+        await asyncio.sleep(0.05)
+    assert paths and not any(os.path.exists(p) for p in paths), paths
+    await _still_serves(rclient, before)

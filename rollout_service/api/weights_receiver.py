@@ -198,7 +198,9 @@ async def _receive_into_file(messages: AsyncIterable, specs: list[TensorSpec]) -
     they arrive into the staging file and hashed per tensor (StagingWriter),
     on one writer thread while the event loop receives the next chunks; a
     bad checksum fails at the tensor it names, before the stream ends."""
-    writer = await asyncio.to_thread(StagingWriter, specs)
+    # Made here, not in a thread: a cancellation (the sender gone) between
+    # the file's creation and this frame holding it would leak the file.
+    writer = StagingWriter(specs)  # a few syscalls (create, header, truncate)
     loop = asyncio.get_running_loop()
     pool = ThreadPoolExecutor(1, thread_name_prefix="weights-writer")
     pending: collections.deque[asyncio.Future] = collections.deque()
