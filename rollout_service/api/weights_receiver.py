@@ -111,6 +111,7 @@ class WeightsReceiver:
         self.max_weights_bytes = max_weights_bytes
         self.push_idle_timeout_s = push_idle_timeout_s
         self.spec_runtime = spec_runtime
+        self._last_draft: StagedWeights | None = None  # the serving draft push
 
     async def receive(self, messages: AsyncIterable[pb.WeightsChunk]) -> ReceivedWeights:
         """Read a push: a `WeightsHeader` first, then either nothing (the
@@ -148,7 +149,12 @@ class WeightsReceiver:
         version is then unchanged."""
         try:
             if weights.target == "draft":
-                return await self.spec_runtime.push_draft_weights(weights.version, weights.staged)
+                version = await self.spec_runtime.push_draft_weights(weights.version, weights.staged)
+                # The superseded draft push's staging file (the core does the same for the policy's).
+                previous, self._last_draft = self._last_draft, weights.staged
+                if previous is not None and previous is not weights.staged:
+                    previous.cleanup()
+                return version
             return await self.core.update_weights(weights.version, weights.staged)
         # TimeoutError first: since Python 3.11 it is asyncio's, and an OSError.
         except TimeoutError as exc:
