@@ -44,6 +44,7 @@ class RolloutService:
         self.http_port = 0
         self._grpc: grpc.aio.Server | None = None
         self._http: web.AppRunner | None = None
+        self._servicer: RolloutServicer | None = None
         self._health = health.aio.HealthServicer()
         self.model_name = ""
 
@@ -116,6 +117,7 @@ class RolloutService:
             self.spec_runtime,
         )
         add_servicer(servicer, self._grpc)
+        self._servicer = servicer
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
@@ -159,9 +161,11 @@ class RolloutService:
             await self.spec_runtime.stop()
         if self.core:
             await self.core.stop()
-            last = self.core.weight_sync.last  # the serving version's staging file
-            if last is not None:
-                last.cleanup()
+            # The serving versions' staging files (policy, draft).
+            draft = self._servicer.weights.last_draft if self._servicer else None
+            for last in (self.core.weight_sync.last, draft):
+                if last is not None:
+                    last.cleanup()
         drop_spare()  # the staging file kept for the next weight push
 
     async def serve_forever(self) -> None:

@@ -111,7 +111,7 @@ class WeightsReceiver:
         self.max_weights_bytes = max_weights_bytes
         self.push_idle_timeout_s = push_idle_timeout_s
         self.spec_runtime = spec_runtime
-        self._last_draft: StagedWeights | None = None  # the serving draft push
+        self.last_draft: StagedWeights | None = None  # the serving draft push
 
     async def receive(self, messages: AsyncIterable[pb.WeightsChunk]) -> ReceivedWeights:
         """Read a push: a `WeightsHeader` first, then either nothing (the
@@ -151,7 +151,7 @@ class WeightsReceiver:
             if weights.target == "draft":
                 version = await self.spec_runtime.push_draft_weights(weights.version, weights.staged)
                 # The superseded draft push's staging file (the core does the same for the policy's).
-                previous, self._last_draft = self._last_draft, weights.staged
+                previous, self.last_draft = self.last_draft, weights.staged
                 if previous is not None and previous is not weights.staged:
                     previous.cleanup()
                 return version
