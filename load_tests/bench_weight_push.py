@@ -2,16 +2,27 @@
 against a plain in-memory copy of the same bytes (the limit).
 
 Simulated engines apply weights instantly, so the figures measure transport,
-verification (sha256 of every tensor) and staging, not an engine's reload.
+verification and staging, not an engine's reload.
+
+The first table pushes ~10M and ~100M parameters with the client's defaults,
+client and service in one process. The second (`--matrix`, on by default)
+pushes a 1 GiB float32 state dict to 2 simulated engines in a service of its
+own process (as a trainer and the service run), end to end (the client's
+call until the version is live on both engines), for each checksum
+algorithm and chunk size side by side, plus the same-host file path.
 
     python -m load_tests.bench_weight_push [--quick] [--report DIR]
+        [--no-matrix] [--matrix-gib 1] [--chunks-mb 1,4,8,16] [--repeats 2]
+        [--checksums none,xxh3,sha256]
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import multiprocessing as mp
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -77,10 +88,112 @@ async def measure(params: int) -> dict:
     }
 
 
+def _serve(conn, max_message_mb: int) -> None:
+    """The service, in a process of its own: sends its port, runs until told to stop."""
+
+    async def run() -> None:
+        cfg = ServiceConfig(grpc_port=0, http_port=0, max_message_mb=max_message_mb,
+                            engine=EngineConfig(kind="sim", num_engines=2, sim={"weight_update_s": 0.0}))
+        service = RolloutService(cfg)
+        await service.start()
+        conn.send(service.grpc_port)
+        # "cpu": this process's CPU seconds so far (every thread); "stop".
+        while await asyncio.get_running_loop().run_in_executor(None, conn.recv) == "cpu":
+            conn.send(time.process_time())
+        await service.stop()
+
+    asyncio.run(run())
+
+
+def _gib_state_dict(gib: float) -> dict[str, np.ndarray]:
+    """float32 tensors of 4096 x 4096 (64 MiB) and 4096 x 1024 adding up to `gib` GiB."""
+    rng = np.random.default_rng(1)
+    out, total, i = {}, 0, 0
+    while total < gib * 1024**3:
+        shape = (4096, 4096) if i % 4 else (4096, 1024)
+        out[f"model.layers.{i // 4}.w{i % 4}"] = rng.random(shape, dtype=np.float32)
+        total += shape[0] * shape[1] * 4
+        i += 1
+    return out
+
+
+async def _matrix(gib: float, chunk_mbs: list[float], repeats: int,
+                  algos: tuple = (False, "xxh3", "sha256")) -> list[dict]:
+    sd = _gib_state_dict(gib)
+    nbytes = sum(a.nbytes for a in sd.values())
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_serve, args=(child, 64), daemon=True)
+    proc.start()
+    rows: list[dict] = []
+    loop = asyncio.get_running_loop()
+
+    async def server_cpu() -> float:
+        parent.send("cpu")
+        return await loop.run_in_executor(None, parent.recv)
+
+    try:
+        port = await loop.run_in_executor(None, parent.recv)
+        async with RolloutClient(f"127.0.0.1:{port}", max_message_mb=64) as client:
+            await client.wait_ready()
+            version = 0
+            await client.push_weights({"warmup": np.ones(1024, np.float32)}, version=(version := version + 1))
+            for checksums in algos:
+                for chunk_mb in chunk_mbs:
+                    times, cpu = [], []
+                    for _ in range(repeats):
+                        c0, s0 = time.process_time(), await server_cpu()
+                        t = time.perf_counter()
+                        reply = await client.push_weights(sd, version=(version := version + 1), chunk_mb=chunk_mb,
+                                                          checksums=checksums)
+                        times.append(time.perf_counter() - t)
+                        cpu.append((time.process_time() - c0, await server_cpu() - s0))
+                        assert reply.applied_version == version
+                    rows.append(_row("grpc", checksums or "none", chunk_mb, nbytes, times, cpu))
+            directory = "/dev/shm" if os.path.isdir("/dev/shm") else None
+            times, cpu = [], []
+            for _ in range(repeats):
+                with tempfile.NamedTemporaryFile(suffix=".safetensors", dir=directory) as f:
+                    tensors = [WeightTensor(k, "float32", v.shape, memoryview(v).cast("B")) for k, v in sd.items()]
+                    c0, s0 = time.process_time(), await server_cpu()
+                    t = time.perf_counter()
+                    write_safetensors(f.name, tensors)  # the trainer's side of the fast path
+                    reply = await client.push_weights_file(f.name, version=(version := version + 1))
+                    times.append(time.perf_counter() - t)
+                    cpu.append((time.process_time() - c0, await server_cpu() - s0))
+                    assert reply.applied_version == version
+            rows.append(_row("file", "none", 0, nbytes, times, cpu))
+    finally:
+        parent.send("stop")
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+    return rows
+
+
+def _row(path: str, checksums: str, chunk_mb: float, nbytes: int, times: list[float],
+         cpu: list[tuple[float, float]]) -> dict:
+    """Wall-clock figures, and CPU seconds per GB on each side (every
+    thread of the process; less sensitive to other load on the host)."""
+    best = min(times)
+    gb = nbytes / 1e9
+    return {"path": path, "checksums": checksums, "chunk_mb": chunk_mb, "bytes": nbytes, "engines": 2,
+            "best_s": round(best, 3), "mean_s": round(statistics.fmean(times), 3),
+            "best_gb_per_s": round(gb / best, 2), "mean_gb_per_s": round(gb / statistics.fmean(times), 2),
+            "client_cpu_s_per_gb": round(min(c for c, _ in cpu) / gb, 2),
+            "server_cpu_s_per_gb": round(min(s for _, s in cpu) / gb, 2),
+            "runs": len(times)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="only the ~10M-parameter state dict")
-    p.add_argument("--report", help="directory for weight_push.json")
+    p.add_argument("--report", help="directory for weight_push.json (and weight_push_matrix.json)")
+    p.add_argument("--no-matrix", action="store_true", help="skip the 1 GiB checksum x chunk size table")
+    p.add_argument("--matrix-gib", type=float, default=1.0, help="size of the matrix's state dict, GiB")
+    p.add_argument("--chunks-mb", default="1,4,8,16", help="chunk sizes of the matrix, MiB")
+    p.add_argument("--repeats", type=int, default=2, help="pushes per matrix cell (best and mean reported)")
+    p.add_argument("--checksums", default="none,xxh3,sha256", help="checksum choices of the matrix")
     args = p.parse_args()
     sizes = [10_000_000] if args.quick else [10_000_000, 100_000_000]
     rows = []
@@ -93,6 +206,25 @@ def main() -> None:
     if args.report:
         Path(args.report).mkdir(parents=True, exist_ok=True)
         (Path(args.report) / "weight_push.json").write_text(json.dumps(rows, indent=2))
+    if args.no_matrix:
+        return
+    chunk_mbs = [float(c) for c in args.chunks_mb.split(",")]
+    load_before = os.getloadavg()
+    algos = tuple(False if c == "none" else c for c in args.checksums.split(","))
+    matrix = asyncio.run(_matrix(args.matrix_gib, chunk_mbs, args.repeats, algos))
+    load_after = os.getloadavg()
+    print(f"\n{args.matrix_gib:g} GiB float32 to 2 sim engines, service in its own process, end to end "
+          f"(best / mean of {args.repeats}); load average {load_before[0]:.2f} before, {load_after[0]:.2f} after")
+    print(f"{'path':>6}{'checksums':>11}{'chunk MiB':>11}{'best s':>9}{'GB/s':>7}{'mean s':>9}{'GB/s':>7}"
+          f"{'client CPU s/GB':>17}{'server CPU s/GB':>17}")
+    for r in matrix:
+        chunk = f"{r['chunk_mb']:g}" if r["path"] == "grpc" else "-"
+        print(f"{r['path']:>6}{r['checksums']:>11}{chunk:>11}{r['best_s']:>9.3f}{r['best_gb_per_s']:>7.2f}"
+              f"{r['mean_s']:>9.3f}{r['mean_gb_per_s']:>7.2f}{r['client_cpu_s_per_gb']:>17.2f}"
+              f"{r['server_cpu_s_per_gb']:>17.2f}")
+    if args.report:
+        (Path(args.report) / "weight_push_matrix.json").write_text(json.dumps(
+            {"loadavg_before": load_before, "loadavg_after": load_after, "rows": matrix}, indent=2))
 
 
 if __name__ == "__main__":

@@ -185,30 +185,34 @@ class AckResponse(_message.Message):
     def __init__(self, acked_cursor: _Optional[int] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "byte_length", "sha256")
+    __slots__ = ("name", "dtype", "shape", "byte_length", "sha256", "digest")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     BYTE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     byte_length: int
     sha256: str
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., byte_length: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+    digest: str
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., byte_length: _Optional[int] = ..., sha256: _Optional[str] = ..., digest: _Optional[str] = ...) -> None: ...
 
 class WeightsHeader(_message.Message):
-    __slots__ = ("version", "tensors", "file_path", "target")
+    __slots__ = ("version", "tensors", "file_path", "target", "checksum_algo")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     FILE_PATH_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_ALGO_FIELD_NUMBER: _ClassVar[int]
     version: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     file_path: str
     target: str
-    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., file_path: _Optional[str] = ..., target: _Optional[str] = ...) -> None: ...
+    checksum_algo: str
+    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., file_path: _Optional[str] = ..., target: _Optional[str] = ..., checksum_algo: _Optional[str] = ...) -> None: ...
 
 class WeightsChunk(_message.Message):
     __slots__ = ("header", "data")

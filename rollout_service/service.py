@@ -14,13 +14,14 @@ from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from rollout_proto import rollout_pb2, rollout_pb2_grpc
+from rollout_proto import rollout_pb2
 from rollout_service.api.auth import AuthInterceptor, TokenAuth, http_middleware
 from rollout_service.api.http import make_app
 from rollout_service.api.openai_http import OpenAIFrontEnd
-from rollout_service.api.servicer import RolloutServicer
+from rollout_service.api.servicer import RolloutServicer, add_servicer
 from rollout_service.api.validation import ModelLimits
 from rollout_service.config import ServiceConfig
+from rollout_service.engines.weights import drop_spare
 from rollout_service.core.clock import Clock
 from rollout_service.core.rollout import CoreLimits, RolloutCore
 from rollout_service.drafter.runtime import SpecRuntime
@@ -43,6 +44,7 @@ class RolloutService:
         self.http_port = 0
         self._grpc: grpc.aio.Server | None = None
         self._http: web.AppRunner | None = None
+        self._servicer: RolloutServicer | None = None
         self._health = health.aio.HealthServicer()
         self.model_name = ""
 
@@ -114,7 +116,8 @@ class RolloutService:
             cfg.push_idle_timeout_s,
             self.spec_runtime,
         )
-        rollout_pb2_grpc.add_RolloutServiceServicer_to_server(servicer, self._grpc)
+        add_servicer(servicer, self._grpc)
+        self._servicer = servicer
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
@@ -158,6 +161,12 @@ class RolloutService:
             await self.spec_runtime.stop()
         if self.core:
             await self.core.stop()
+            # The serving versions' staging files (policy, draft).
+            draft = self._servicer.weights.last_draft if self._servicer else None
+            for last in (self.core.weight_sync.last, draft):
+                if last is not None:
+                    last.cleanup()
+        drop_spare()  # the staging file kept for the next weight push
 
     async def serve_forever(self) -> None:
         """Start, then run until SIGINT or SIGTERM."""

@@ -8,7 +8,10 @@ import grpc
 import numpy as np
 import pytest
 
+from rollout_proto import rollout_pb2 as pb
+from rollout_service.engines.weights import read_safetensors
 from trainer_client import PromptGroup, RolloutClient
+from trainer_client import weights as wire
 
 from conftest import connect, running, sim_config, unique
 from test_streaming import collect
@@ -88,3 +91,174 @@ async def test_push_after_a_failed_one_applies(service, rclient):
     reply = await rclient.push_weights({"w": np.ones(8, np.float32)}, version=before + 1)
     assert reply.applied_version == before + 1
     await _still_serves(rclient, before + 1)
+
+
+# -- checksums: the algorithm choice, verified while receiving ---------------------------
+
+
+
+def _state_dict(seed: int = 0) -> dict[str, np.ndarray]:
+    """Several tensors (one empty, one tiny) so that chunks span tensors."""
+    rng = np.random.default_rng(seed)
+    return {"a": rng.random((64, 33), dtype=np.float32), "empty": np.zeros((0, 4), np.float32),
+            "b": rng.random(7, dtype=np.float32), "c": rng.integers(0, 9, (50, 50)).astype(np.int64)}
+
+
+def _staged_matches(service, sd) -> None:
+    """The live version's staging file holds exactly the pushed bytes."""
+    specs, buffer = read_safetensors(service.core.weight_sync.last.path)
+    assert [s.name for s in specs] == list(sd)
+    offset = 0
+    for s in specs:
+        assert bytes(buffer[offset:offset + s.byte_length]) == sd[s.name].tobytes(), s.name
+        offset += s.byte_length
+
+
+@pytest.mark.parametrize("checksums", ["xxh3", "xxh3_64", "sha256", False, True])
+async def test_push_with_each_checksum_choice_applies(service, rclient, checksums):
+    before = (await rclient.status()).policy_version
+    sd = _state_dict(before)
+    # 1000-byte chunks: chunks end inside tensors and span several.
+    reply = await rclient.push_weights(sd, version=before + 1, checksums=checksums, chunk_mb=1000 / 2**20)
+    assert reply.applied_version == before + 1
+    assert reply.bytes_received == sum(a.nbytes for a in sd.values())
+    _staged_matches(service, sd)
+    await _still_serves(rclient, before + 1)
+
+
+async def _corrupt_push(client: RolloutClient, sd, version: int, checksums: str, chunk_index: int):
+    """A push whose chunk `chunk_index` (after the header) has one byte flipped."""
+    tensors = wire.flatten(sd)
+    algo = wire.checksum_algo(checksums)
+    header = pb.WeightsHeader(version=version, tensors=wire.manifest(tensors, checksums),
+                              checksum_algo="" if algo == "sha256" else algo)
+
+    def chunks():
+        for i, chunk in enumerate(wire.chunks(header, tensors, 4096)):
+            if i == chunk_index:
+                data = bytearray(b"".join(chunk))
+                data[len(data) // 2] ^= 0x01
+                chunk = [data]
+            yield chunk
+
+    return await client._push(chunks())
+
+
+@pytest.mark.parametrize("checksums,field", [("xxh3", "digest"), ("xxh3_64", "digest"), ("sha256", "sha256")])
+async def test_corrupted_chunk_is_invalid_argument_naming_the_tensor(service, rclient, checksums, field):
+    before = (await rclient.status()).policy_version
+    sd = _state_dict()  # "a" is 8448 bytes: chunks 1-3 (4096 bytes each) hold a, empty, b, c
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await _corrupt_push(rclient, sd, before + 1, checksums, chunk_index=3)  # bytes 8192.. : "c"
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    assert f"header.tensors[3].{field}" in err.value.details() and "'c'" in err.value.details(), err.value.details()
+    await _still_serves(rclient, before)
+
+
+async def test_old_style_header_with_sha256_only_still_applies(service, rclient):
+    """What clients before checksum_algo send: protobuf-serialized chunks,
+    TensorSpec.sha256 and no algorithm."""
+    import hashlib
+
+    before = (await rclient.status()).policy_version
+    a = np.arange(3000, dtype=np.float32)
+    spec = pb.TensorSpec(name="w", dtype="float32", shape=[3000], byte_length=a.nbytes,
+                         sha256=hashlib.sha256(a.tobytes()).hexdigest())
+    header = pb.WeightsHeader(version=before + 1, tensors=[spec])
+    raw = a.tobytes()
+    msgs = [pb.WeightsChunk(header=header)] + [pb.WeightsChunk(data=raw[i:i + 5000]) for i in range(0, len(raw), 5000)]
+    reply = await rclient._stub.PushWeights(iter(msgs))
+    assert reply.applied_version == before + 1
+    _staged_matches(service, {"w": a})
+    bad = bytearray(raw)
+    bad[100] ^= 0xFF
+    header.version = before + 2
+    msgs = [pb.WeightsChunk(header=header), pb.WeightsChunk(data=bytes(bad))]
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await rclient._stub.PushWeights(iter(msgs))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "header.tensors[0].sha256" in err.value.details() and "'w'" in err.value.details()
+    await _still_serves(rclient, before + 1)
+
+
+async def test_unknown_checksum_algo_or_bad_digest_is_invalid_argument_naming_the_field(service, rclient):
+    before = (await rclient.status()).policy_version
+    a = np.ones(16, np.float32)
+    cases = [("md5", "ab" * 16, "header.checksum_algo"), ("xxh3_64", "ab" * 16, "header.tensors[0].digest"),
+             ("xxh3_128", "XY" * 16, "header.tensors[0].digest")]
+    for algo, digest, field in cases:
+        spec = pb.TensorSpec(name="w", dtype="float32", shape=[16], byte_length=a.nbytes, digest=digest)
+        header = pb.WeightsHeader(version=before + 1, tensors=[spec], checksum_algo=algo)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await rclient._stub.PushWeights(iter([pb.WeightsChunk(header=header), pb.WeightsChunk(data=a.tobytes())]))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, algo
+        assert field in err.value.details(), (algo, err.value.details())
+    with pytest.raises(ValueError, match="checksums"):
+        await rclient.push_weights({"w": a}, version=before + 1, checksums="md5")
+    await _still_serves(rclient, before)
+
+
+def test_chunks_are_views_that_cover_the_tensors_once():
+    sd = _state_dict()
+    tensors = wire.flatten(sd)
+    header = pb.WeightsHeader(version=1, tensors=wire.manifest(tensors, False))
+    it = wire.chunks(header, tensors, 4096)
+    assert isinstance(next(it), pb.WeightsChunk)
+    chunks = list(it)
+    assert all(isinstance(p, memoryview) for c in chunks for p in c)
+    assert [sum(len(p) for p in c) for c in chunks[:-1]] == [4096] * (len(chunks) - 1)
+    assert b"".join(b"".join(c) for c in chunks) == b"".join(a.tobytes() for a in sd.values())
+    # The serialized message is a WeightsChunk protobuf reads back.
+    assert pb.WeightsChunk.FromString(wire.serialize_chunk(chunks[0])).data == b"".join(chunks[0])
+
+
+def test_parse_chunk_reads_data_messages_without_protobuf_and_the_rest_with_it():
+    from rollout_service.api.weights_receiver import parse_chunk
+
+    for n in (0, 1, 127, 128, 16383, 16384, 300_000):
+        data = bytes(range(256)) * (n // 256) + bytes(n % 256)
+        got = parse_chunk(pb.WeightsChunk(data=data).SerializeToString())
+        got = got if isinstance(got, memoryview) else memoryview(got.data)
+        assert bytes(got) == data, n
+    header = pb.WeightsChunk(header=pb.WeightsHeader(version=3, checksum_algo="xxh3_64"))
+    assert parse_chunk(header.SerializeToString()).header.version == 3
+    twice = pb.WeightsChunk(data=b"abc").SerializeToString() + pb.WeightsChunk(data=b"defg").SerializeToString()
+    assert parse_chunk(twice).data == b"defg"  # protobuf's rule (last one wins), not a view of the first
+
+
+async def test_a_refused_or_abandoned_push_leaves_no_staging_file(service, rclient, monkeypatch):
+    import os
+
+    from rollout_service.api import weights_receiver
+
+    paths = []
+
+    class Recording(weights_receiver.StagingWriter):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            paths.append(self.path)
+
+    monkeypatch.setattr(weights_receiver, "StagingWriter", Recording)
+    before = (await rclient.status()).policy_version
+    with pytest.raises(grpc.aio.AioRpcError):
+        await _corrupt_push(rclient, _state_dict(), before + 1, "xxh3", chunk_index=1)
+    # A stream that stops half-way through (the sender goes away).
+    tensors = wire.flatten(_state_dict())
+    header = pb.WeightsHeader(version=before + 1, tensors=wire.manifest(tensors, "xxh3"), checksum_algo="xxh3_128")
+
+    def half():
+        for i, chunk in enumerate(wire.chunks(header, tensors, 4096)):
+            if i == 2:
+                raise RuntimeError("trainer died")
+            yield chunk
+
+    with pytest.raises((grpc.aio.AioRpcError, asyncio.CancelledError)):  # grpc cancels the call
+        await rclient._push(half())
+    # The service learns of the cancelled stream asynchronously (and may
+    # not have read the header by then: then it made no file).
+    for _ in range(50):
+        if not any(os.path.exists(p) for p in paths):
+            break
+        await asyncio.sleep(0.05)
+    assert paths and not any(os.path.exists(p) for p in paths), paths
+    await _still_serves(rclient, before)

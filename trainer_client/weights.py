@@ -1,4 +1,9 @@
-"""Turning a state dict into a rollout.v1 weight push (manifest + chunks)."""
+"""Turning a state dict into a rollout.v1 weight push (manifest + chunks).
+
+The chunks are lists of memoryviews over the tensors' own bytes; the
+request serializer (`serialize_chunk`) writes each straight into the one
+`bytes` gRPC sends, so a byte is copied once on its way to the wire.
+"""
 from __future__ import annotations
 
 import hashlib
@@ -6,6 +11,10 @@ from dataclasses import dataclass
 from typing import Iterator, Mapping
 
 from rollout_proto import rollout_pb2 as pb
+
+# checksums= of push_weights -> the wire's checksum_algo ("" with sha256:
+# only the TensorSpec.sha256 field, which every service version verifies).
+CHECKSUMS = {"xxh3": "xxh3_128", "xxh3_128": "xxh3_128", "xxh3_64": "xxh3_64", "sha256": "sha256"}
 
 
 @dataclass(slots=True)
@@ -35,21 +44,74 @@ def flatten(state_dict: Mapping[str, object]) -> list[FlatTensor]:
     return out
 
 
-def manifest(tensors: list[FlatTensor], with_checksums: bool = True) -> list[pb.TensorSpec]:
-    return [
-        pb.TensorSpec(
-            name=t.name,
-            dtype=t.dtype,
-            shape=list(t.shape),
-            byte_length=len(t.data),
-            sha256=hashlib.sha256(t.data).hexdigest() if with_checksums else "",
-        )
-        for t in tensors
-    ]
+def checksum_algo(checksums: "bool | str | None") -> str:
+    """The wire algorithm for push_weights' `checksums` ("" for none)."""
+    if checksums is True:
+        return "xxh3_128"
+    if not checksums:
+        return ""
+    try:
+        return CHECKSUMS[checksums]
+    except KeyError:
+        raise ValueError(f"checksums must be one of {sorted(CHECKSUMS)}, True or False; got {checksums!r}") from None
 
 
-def chunks(header: pb.WeightsHeader, tensors: list[FlatTensor], chunk_bytes: int) -> Iterator[pb.WeightsChunk]:
-    yield pb.WeightsChunk(header=header)
+def manifest(tensors: list[FlatTensor], with_checksums: "bool | str" = True) -> list[pb.TensorSpec]:
+    """The manifest; `with_checksums` names the algorithm (see checksum_algo).
+    sha256 fills TensorSpec.sha256 (old services verify it), the others
+    TensorSpec.digest (the header's checksum_algo names them)."""
+    algo = checksum_algo(with_checksums)
+    specs = []
     for t in tensors:
-        for offset in range(0, len(t.data), chunk_bytes):
-            yield pb.WeightsChunk(data=bytes(t.data[offset : offset + chunk_bytes]))
+        spec = pb.TensorSpec(name=t.name, dtype=t.dtype, shape=list(t.shape), byte_length=len(t.data))
+        if algo == "sha256":
+            spec.sha256 = hashlib.sha256(t.data).hexdigest()
+        elif algo:
+            import xxhash
+
+            spec.digest = getattr(xxhash, algo)(t.data).hexdigest()
+        specs.append(spec)
+    return specs
+
+
+def chunks(header: pb.WeightsHeader, tensors: list[FlatTensor], chunk_bytes: int) -> Iterator[object]:
+    """The header, then chunks of `chunk_bytes` (the last one shorter) as
+    lists of memoryviews into the tensors: a chunk may span tensors, so
+    small tensors do not make small messages. For `serialize_chunk`."""
+    yield pb.WeightsChunk(header=header)
+    pieces: list[memoryview] = []
+    size = 0
+    for t in tensors:
+        data, offset = t.data, 0
+        while offset < len(data):
+            take = min(chunk_bytes - size, len(data) - offset)
+            pieces.append(data[offset : offset + take])
+            size += take
+            offset += take
+            if size == chunk_bytes:
+                yield pieces
+                pieces, size = [], 0
+    if pieces:
+        yield pieces
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def serialize_chunk(chunk: object) -> bytes:
+    """A WeightsChunk on the wire: a message as protobuf serializes it, or
+    a list of buffers as the field `data` (tag 2) holding their bytes, with
+    one copy (the join)."""
+    if isinstance(chunk, pb.WeightsChunk):
+        return chunk.SerializeToString()
+    size = sum(len(p) for p in chunk)
+    return b"".join([b"\x12" + _varint(size), *chunk])

@@ -34,7 +34,8 @@ def sample_to_pb(s: Sample) -> pb.Sample:
 
 
 def tensor_specs(header: pb.WeightsHeader) -> list[TensorSpec]:
-    return [TensorSpec(t.name, t.dtype, tuple(t.shape), t.byte_length, t.sha256) for t in header.tensors]
+    algo = header.checksum_algo or "sha256"  # empty: the senders that predate the field
+    return [TensorSpec(t.name, t.dtype, tuple(t.shape), t.byte_length, t.sha256, t.digest, algo) for t in header.tensors]
 
 
 def engine_status(e: EngineStatus) -> pb.EngineStatus:

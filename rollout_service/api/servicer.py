@@ -119,3 +119,35 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             await _fail(context, exc)
         return pb.PushWeightsResponse(applied_version=version, bytes_received=weights.bytes_received,
                                       seconds=time.perf_counter() - t0)
+
+
+SERVICE = "rollout.v1.RolloutService"
+
+
+class _Handlers:
+    """Stands in for a server to catch the generated method handlers."""
+
+    def __init__(self) -> None:
+        self.handlers: dict = {}
+
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        pass
+
+    def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
+        self.handlers = dict(handlers)
+
+
+def add_servicer(servicer: RolloutServicer, server) -> None:
+    """Register `servicer` on a grpc.aio server, as the generated
+    `add_RolloutServiceServicer_to_server` does, except that PushWeights'
+    data messages are deserialized without a copy (`parse_chunk`)."""
+    from rollout_service.api.weights_receiver import parse_chunk
+
+    caught = _Handlers()
+    pb_grpc.add_RolloutServiceServicer_to_server(servicer, caught)
+    handlers = caught.handlers
+    push = handlers["PushWeights"]
+    handlers["PushWeights"] = grpc.stream_unary_rpc_method_handler(
+        push.stream_unary, request_deserializer=parse_chunk, response_serializer=push.response_serializer)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    server.add_registered_method_handlers(SERVICE, handlers)

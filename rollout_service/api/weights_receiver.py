@@ -17,8 +17,11 @@ the engines that did not reach the pushed version.
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import json
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterable
 
@@ -28,8 +31,10 @@ from rollout_service.api.validation import FieldError
 from rollout_service.core.rollout import RolloutCore
 from rollout_service.engines.base import EngineError
 from rollout_service.engines.weights import (
+    CHECKSUM_ALGOS,
     ManifestError,
     StagedWeights,
+    StagingWriter,
     TensorSpec,
     check_manifest,
     read_safetensors,
@@ -40,6 +45,37 @@ if TYPE_CHECKING:
     from rollout_service.drafter.runtime import SpecRuntime
 
 TARGETS = ("policy", "draft")
+# Chunks handed to the writer thread and not yet written: bounds the memory a
+# push holds beyond its staging file (gRPC flow control holds back the rest).
+MAX_CHUNKS_IN_FLIGHT = 4
+
+
+def parse_chunk(raw: bytes) -> "pb.WeightsChunk | memoryview":
+    """The request deserializer of PushWeights: a data message (the field
+    `data`, tag 2, alone) becomes a memoryview of its bytes inside the
+    message gRPC received, without protobuf's copy; anything else (the
+    header, odd encodings) is parsed as a WeightsChunk."""
+    if len(raw) > 2 and raw[0] == 0x12:
+        n, shift, pos = 0, 0, 1
+        while pos < len(raw) and pos < 11:
+            b = raw[pos]
+            n |= (b & 0x7F) << shift
+            pos += 1
+            if not b & 0x80:
+                if pos + n == len(raw):
+                    return memoryview(raw)[pos:]
+                break
+            shift += 7
+    return pb.WeightsChunk.FromString(raw)
+
+
+def _data(msg) -> memoryview:
+    """A data message's bytes (from `parse_chunk`, or a parsed WeightsChunk)."""
+    if isinstance(msg, memoryview):
+        return msg
+    if msg.WhichOneof("kind") != "data":
+        raise FieldError("header", "only one WeightsHeader may be sent, at the start")
+    return memoryview(msg.data)
 
 
 class PushStalled(Exception):
@@ -75,6 +111,7 @@ class WeightsReceiver:
         self.max_weights_bytes = max_weights_bytes
         self.push_idle_timeout_s = push_idle_timeout_s
         self.spec_runtime = spec_runtime
+        self.last_draft: StagedWeights | None = None  # the serving draft push
 
     async def receive(self, messages: AsyncIterable[pb.WeightsChunk]) -> ReceivedWeights:
         """Read a push: a `WeightsHeader` first, then either nothing (the
@@ -82,10 +119,13 @@ class WeightsReceiver:
         bytes as data messages. Checks the manifest against the target model
         before any byte is buffered, then every tensor's checksum."""
         first = await anext(aiter(messages), None)
-        if first is None or first.WhichOneof("kind") != "header":
+        if first is None or isinstance(first, memoryview) or first.WhichOneof("kind") != "header":
             raise FieldError("header", "the first message of PushWeights must be a WeightsHeader")
         header = first.header
         target = self._target(header.target)
+        if header.checksum_algo not in ("", *CHECKSUM_ALGOS):
+            raise FieldError("header.checksum_algo", f"unknown checksum algorithm {header.checksum_algo!r}; "
+                             f"allowed: {', '.join(CHECKSUM_ALGOS)} (empty: sha256)")
         check = self.spec_runtime.check_draft_weights if target == "draft" else self.core.check_weights
         if header.file_path:
             specs, buffer = await _read_file(header.file_path)
@@ -93,14 +133,14 @@ class WeightsReceiver:
                 specs = _match_file_manifest(convert.tensor_specs(header), specs)
             check_manifest(specs, self.max_weights_bytes)
             check(header.version, {s.name: (s.dtype, s.shape) for s in specs})
-        else:
-            specs = convert.tensor_specs(header)
-            total = check_manifest(specs, self.max_weights_bytes)
-            check(header.version, {s.name: (s.dtype, s.shape) for s in specs})
-            buffer = await _assemble(_with_idle_timeout(messages, self.push_idle_timeout_s), total)
-        tensors = await asyncio.to_thread(split_and_verify, specs, buffer)
-        staged = StagedWeights(tensors, source_path=header.file_path or None)
-        return ReceivedWeights(target, header.version, staged, len(buffer))
+            tensors = await asyncio.to_thread(split_and_verify, specs, buffer)
+            staged = StagedWeights(tensors, source_path=header.file_path)
+            return ReceivedWeights(target, header.version, staged, len(buffer))
+        specs = convert.tensor_specs(header)
+        total = check_manifest(specs, self.max_weights_bytes)
+        check(header.version, {s.name: (s.dtype, s.shape) for s in specs})
+        staged = await _receive_into_file(_with_idle_timeout(messages, self.push_idle_timeout_s), specs)
+        return ReceivedWeights(target, header.version, staged, total)
 
     async def apply(self, weights: ReceivedWeights) -> int:
         """Serve `weights` on every engine; returns the version applied.
@@ -109,13 +149,23 @@ class WeightsReceiver:
         version is then unchanged."""
         try:
             if weights.target == "draft":
-                return await self.spec_runtime.push_draft_weights(weights.version, weights.staged)
+                version = await self.spec_runtime.push_draft_weights(weights.version, weights.staged)
+                # The superseded draft push's staging file (the core does the same for the policy's).
+                previous, self.last_draft = self.last_draft, weights.staged
+                if previous is not None and previous is not weights.staged:
+                    previous.cleanup()
+                return version
             return await self.core.update_weights(weights.version, weights.staged)
         # TimeoutError first: since Python 3.11 it is asyncio's, and an OSError.
         except TimeoutError as exc:
+            weights.staged.cleanup()
             raise ApplyTimedOut(self._failure(weights, "did not apply it within the update timeout", exc)) from exc
         except (EngineError, OSError) as exc:
+            weights.staged.cleanup()
             raise ApplyFailed(self._failure(weights, "failed applying it", exc)) from exc
+        except BaseException:
+            weights.staged.cleanup()  # e.g. the version check: the staging file must not outlive the push
+            raise
 
     def _target(self, target: str) -> str:
         if target not in ("", *TARGETS):
@@ -149,21 +199,42 @@ async def _read_file(path: str) -> tuple[list[TensorSpec], memoryview]:
         raise FieldError("header.file_path", f"{path!r} is not a safetensors file ({exc})") from None
 
 
-async def _assemble(messages: AsyncIterable[pb.WeightsChunk], total: int) -> memoryview:
-    """The data messages' bytes, exactly `total` of them."""
-    buffer = bytearray(total)
+async def _receive_into_file(messages: AsyncIterable, specs: list[TensorSpec]) -> StagedWeights:
+    """The data messages' bytes, exactly the manifest's total, written as
+    they arrive into the staging file and hashed per tensor (StagingWriter),
+    on one writer thread while the event loop receives the next chunks; a
+    bad checksum fails at the tensor it names, before the stream ends."""
+    # Made here, not in a thread: a cancellation (the sender gone) between
+    # the file's creation and this frame holding it would leak the file.
+    writer = StagingWriter(specs)  # a few syscalls (create, header, truncate)
+    loop = asyncio.get_running_loop()
+    pool = ThreadPoolExecutor(1, thread_name_prefix="weights-writer")
+    pending: collections.deque[asyncio.Future] = collections.deque()
     received = 0
-    async for msg in messages:
-        if msg.WhichOneof("kind") != "data":
-            raise FieldError("header", "only one WeightsHeader may be sent, at the start")
-        n = len(msg.data)
-        if received + n > total:
-            raise FieldError("data", f"the stream carries more than the manifest's {total} bytes")
-        buffer[received : received + n] = msg.data
-        received += n
-    if received != total:
-        raise FieldError("data", f"the stream ended after {received} of the manifest's {total} bytes")
-    return memoryview(buffer)
+    try:
+        async for msg in messages:
+            data = _data(msg)
+            received += len(data)
+            if received > writer.total:
+                raise FieldError("data", f"the stream carries more than the manifest's {writer.total} bytes")
+            pending.append(loop.run_in_executor(pool, writer.feed, data))
+            while pending and (pending[0].done() or len(pending) > MAX_CHUNKS_IN_FLIGHT):
+                await pending.popleft()
+        while pending:
+            await pending.popleft()
+        if received != writer.total:
+            raise FieldError("data", f"the stream ended after {received} of the manifest's {writer.total} bytes")
+        return writer.finish()
+    except BaseException:
+        try:
+            for fut in pending:  # let the writer thread finish before the file goes
+                with contextlib.suppress(Exception):
+                    await fut
+        finally:
+            writer.abort()
+        raise
+    finally:
+        pool.shutdown(wait=False)
 
 
 async def _with_idle_timeout(iterator, timeout_s: float):
@@ -192,5 +263,6 @@ def _match_file_manifest(sent: list[TensorSpec], found: list[TensorSpec]) -> lis
             raise ManifestError(f"header.tensors[{i}].shape", f"{s.name!r} is {f.dtype}{list(f.shape)} in the file")
     if len(sent) != len(found):
         raise ManifestError("header.tensors", f"the file holds {len(found)} tensors, the manifest lists {len(sent)}")
-    sums = {s.name: s.sha256 for s in sent}
-    return [TensorSpec(f.name, f.dtype, f.shape, f.byte_length, sums[f.name]) for f in found]
+    sums = {s.name: s for s in sent}
+    return [TensorSpec(f.name, f.dtype, f.shape, f.byte_length, sums[f.name].sha256, sums[f.name].digest,
+                       sums[f.name].algo) for f in found]

@@ -1,12 +1,18 @@
 """Weight manifests and their verification, independent of any framework.
 
-A push is a manifest (name, dtype, shape, byte length, sha256 per tensor)
-followed by the tensors' bytes in manifest order. Nothing is applied before
-every length and checksum has verified; engines turn `WeightTensor`s into
-whatever their framework needs.
+A push is a manifest (name, dtype, shape, byte length, checksums per
+tensor: a sha256 and/or a digest under the push's algorithm, see
+`CHECKSUM_ALGOS`) followed by the tensors' bytes in manifest order. Nothing is
+applied before every length and checksum has verified; engines turn
+`WeightTensor`s into whatever their framework needs.
+
+`StagingWriter` receives a streamed push straight into its staging file (a
+safetensors file in /dev/shm): each chunk is hashed as it arrives and written
+once, at its final place; no buffer, no split.
 """
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import math
@@ -26,6 +32,25 @@ _SAFETENSORS_DTYPES = {
 }
 
 
+# Checksum algorithms of TensorSpec.digest -> length of their hex digest.
+CHECKSUM_ALGOS = {"sha256": 64, "xxh3_64": 16, "xxh3_128": 32}
+
+
+def new_hasher(algo: str):
+    """An incremental hasher (`update`, `hexdigest`) for one of CHECKSUM_ALGOS."""
+    if algo == "sha256":
+        return hashlib.sha256()
+    import xxhash
+
+    return {"xxh3_64": xxhash.xxh3_64, "xxh3_128": xxhash.xxh3_128}[algo]()
+
+
+def hexdigest(algo: str, data) -> str:
+    h = new_hasher(algo)
+    h.update(data)
+    return h.hexdigest()
+
+
 class ManifestError(ValueError):
     """A manifest or its bytes are wrong; `field` names the offending field."""
 
@@ -41,6 +66,17 @@ class TensorSpec:
     shape: tuple[int, ...]
     byte_length: int
     sha256: str = ""
+    digest: str = ""  # hex, under `algo`
+    algo: str = "sha256"
+
+    def checks(self) -> list[tuple[str, str, str]]:
+        """(field, algo, expected hex digest) of each checksum to verify."""
+        out = []
+        if self.sha256:
+            out.append(("sha256", "sha256", self.sha256))
+        if self.digest and not (self.algo == "sha256" and self.digest == self.sha256):
+            out.append(("digest", self.algo, self.digest))
+        return out
 
 
 @dataclass(slots=True)
@@ -74,12 +110,25 @@ def check_manifest(specs: list[TensorSpec], max_bytes: int) -> int:
                 f"{f}.byte_length",
                 f"{s.name!r} is {s.dtype}{list(s.shape)} = {expected} bytes, manifest says {s.byte_length}",
             )
-        if s.sha256 and (len(s.sha256) != 64 or any(c not in "0123456789abcdef" for c in s.sha256)):
+        if s.sha256 and not _is_hex(s.sha256, 64):
             raise ManifestError(f"{f}.sha256", "must be 64 lowercase hex digits")
+        if s.digest:
+            if s.algo not in CHECKSUM_ALGOS:
+                raise ManifestError("header.checksum_algo", f"unknown checksum algorithm {s.algo!r}; allowed: {sorted(CHECKSUM_ALGOS)}")
+            if not _is_hex(s.digest, CHECKSUM_ALGOS[s.algo]):
+                raise ManifestError(f"{f}.digest", f"a {s.algo} digest is {CHECKSUM_ALGOS[s.algo]} lowercase hex digits")
         total += expected
     if total > max_bytes:
         raise ManifestError("header.tensors", f"{total} bytes exceed the limit of {max_bytes} bytes")
     return total
+
+
+def _is_hex(text: str, length: int) -> bool:
+    return len(text) == length and all(c in "0123456789abcdef" for c in text)
+
+
+def _mismatch(i: int, spec: TensorSpec, field: str, algo: str) -> ManifestError:
+    return ManifestError(f"header.tensors[{i}].{field}", f"checksum mismatch for {spec.name!r} ({algo})")
 
 
 def split_and_verify(specs: list[TensorSpec], buffer: memoryview) -> list[WeightTensor]:
@@ -93,8 +142,9 @@ def split_and_verify(specs: list[TensorSpec], buffer: memoryview) -> list[Weight
     for i, s in enumerate(specs):
         chunk = buffer[offset : offset + s.byte_length]
         offset += s.byte_length
-        if s.sha256 and hashlib.sha256(chunk).hexdigest() != s.sha256:
-            raise ManifestError(f"header.tensors[{i}].sha256", f"checksum mismatch for {s.name!r}")
+        for field, algo, expected in s.checks():
+            if hexdigest(algo, chunk) != expected:
+                raise _mismatch(i, s, field, algo)
         out.append(WeightTensor(s.name, s.dtype, s.shape, chunk))
     return out
 
@@ -125,20 +175,168 @@ def read_safetensors(path: str) -> tuple[list[TensorSpec], memoryview]:
 _TO_SAFETENSORS = {v: k for k, v in _SAFETENSORS_DTYPES.items()}
 
 
-def write_safetensors(path: str, tensors: list[WeightTensor]) -> None:
-    """Write tensors as a safetensors file (no framework needed)."""
+def _safetensors_header(entries) -> bytes:
+    """The 8-byte length and JSON header of a safetensors file holding
+    (name, dtype, shape, byte_length) entries in order."""
     header: dict[str, object] = {}
     offset = 0
-    for t in tensors:
-        header[t.name] = {"dtype": _TO_SAFETENSORS[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(t.data)]}
-        offset += len(t.data)
+    for name, dtype, shape, n in entries:
+        header[name] = {"dtype": _TO_SAFETENSORS[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def write_safetensors(path: str, tensors: list[WeightTensor]) -> None:
+    """Write tensors as a safetensors file (no framework needed)."""
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for t in tensors:
-            f.write(t.data)
+        f.write(_safetensors_header((t.name, t.dtype, t.shape, len(t.data)) for t in tensors))
+        f.writelines(t.data for t in tensors)
+
+
+def _staging_dir() -> str | None:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else None
+
+
+# The staging file of a superseded push, kept (with its memory pages) for the
+# next push to receive into: writing into fresh shared-memory pages costs
+# about twice as much CPU as rewriting allocated ones (the kernel allocates
+# and zeroes each page). At most one; `drop_spare()` releases it.
+_spare: list[str] = []
+
+
+def _recycle(path: str) -> None:
+    """Keep `path` as the spare staging file (replacing an older spare)."""
+    import tempfile
+
+    drop_spare()
+    fd, spare = tempfile.mkstemp(prefix="rollout-weights-spare-", suffix=".safetensors", dir=os.path.dirname(path))
+    os.close(fd)
+    os.replace(path, spare)
+    _spare.append(spare)
+
+
+def drop_spare() -> None:
+    """Remove the spare staging file (at shutdown; or to give back its memory)."""
+    while _spare:
+        try:
+            os.unlink(_spare.pop())
+        except FileNotFoundError:
+            pass
+
+
+atexit.register(drop_spare)
+
+
+class StagingWriter:
+    """Receives a push's bytes, in order and in chunks of any size, straight
+    into a new staging safetensors file: every chunk is written once at its
+    final offset (`os.pwrite`, no user-space copy) and hashed per tensor as
+    it arrives; a tensor's checksums are verified as soon as its last byte
+    has come, so a corrupt tensor fails the push at once, named.
+
+    `feed` blocks (hashing, the write; both release the GIL): call it from
+    one thread at a time, in stream order. `finish` returns the
+    `StagedWeights` (which owns the file); `abort` removes the file."""
+
+    def __init__(self, specs: list[TensorSpec], prefix: str = "rollout-weights-") -> None:
+        import tempfile
+
+        self.specs = specs
+        self.total = sum(s.byte_length for s in specs)
+        self.received = 0
+        self.prefix = prefix
+        head = _safetensors_header((s.name, s.dtype, s.shape, s.byte_length) for s in specs)
+        fd, self.path = tempfile.mkstemp(prefix=prefix, suffix=".safetensors", dir=_staging_dir())
+        if _spare:  # reuse a superseded push's pages (see _recycle)
+            try:
+                os.replace(_spare.pop(), self.path)
+                os.close(fd)
+                fd = os.open(self.path, os.O_RDWR)
+            except OSError:
+                pass
+        self._fd = fd
+        try:
+            os.pwrite(fd, head, 0)
+            os.ftruncate(fd, len(head) + self.total)
+        except BaseException:
+            self.abort()
+            raise
+        self._base = len(head)
+        self._i = -1  # the tensor being received
+        self._left = 0  # its bytes still to come
+        self._hashers: list = []
+        self._failed: BaseException | None = None
+        self._next_tensor()
+
+    def _next_tensor(self) -> None:
+        """Verify the tensor just completed and start the next one (past any empty ones)."""
+        while self._left == 0:
+            if self._i >= 0:
+                spec = self.specs[self._i]
+                for (field, algo, expected), h in zip(spec.checks(), self._hashers):
+                    if h.hexdigest() != expected:
+                        raise _mismatch(self._i, spec, field, algo)
+            self._i += 1
+            if self._i >= len(self.specs):
+                self._hashers = []
+                return
+            spec = self.specs[self._i]
+            self._left = spec.byte_length
+            self._hashers = [new_hasher(algo) for _, algo, _ in spec.checks()]
+
+    def feed(self, data) -> None:
+        if self._failed is not None:
+            raise self._failed
+        try:
+            self._feed(memoryview(data))
+        except BaseException as exc:
+            self._failed = exc
+            raise
+
+    def _feed(self, data: memoryview) -> None:
+        n = len(data)
+        if self.received + n > self.total:
+            raise ManifestError("data", f"the stream carries more than the manifest's {self.total} bytes")
+        done = 0
+        while done < n:  # pwrite may write less than asked
+            done += os.pwrite(self._fd, data[done:], self._base + self.received + done)
+        pos = 0
+        while pos < n:
+            take = min(self._left, n - pos)
+            if self._hashers:
+                part = data[pos : pos + take]
+                for h in self._hashers:
+                    h.update(part)
+            pos += take
+            self._left -= take
+            if self._left == 0:
+                self._next_tensor()
+        self.received += n
+
+    def finish(self) -> "StagedWeights":
+        """The staged push (the tensors are views of the mapped file)."""
+        if self.received != self.total:
+            raise ManifestError("data", f"the stream ended after {self.received} of the manifest's {self.total} bytes")
+        mapped = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ) if self._base + self.total else None
+        os.close(self._fd)
+        self._fd = -1
+        view = memoryview(mapped) if mapped is not None else memoryview(b"")
+        tensors, offset = [], self._base
+        for s in self.specs:
+            tensors.append(WeightTensor(s.name, s.dtype, s.shape, view[offset : offset + s.byte_length]))
+            offset += s.byte_length
+        return StagedWeights(tensors, source_path=self.path, prefix=self.prefix, owned=True, recycle=True)
+
+    def abort(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
 
 
 def checkpoint_manifest(model_dir: str) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -162,11 +360,12 @@ class StagedWeights:
     the push already came as a file (the same-host fast path)."""
 
     def __init__(self, tensors: list[WeightTensor], source_path: str | None = None,
-                 prefix: str = "rollout-weights-") -> None:
+                 prefix: str = "rollout-weights-", owned: bool = False, recycle: bool = False) -> None:
         self.tensors = tensors
         self.prefix = prefix  # of the staging file's name
         self._path = source_path
-        self._owned = False
+        self._owned = owned  # cleanup() removes source_path
+        self._recycle = recycle  # ... or keeps it for the next push to receive into (StagingWriter's files)
         self._lock = None
 
     @property
@@ -190,8 +389,7 @@ class StagedWeights:
             if self._path is None:
                 import tempfile
 
-                directory = "/dev/shm" if os.path.isdir("/dev/shm") else None
-                fd, path = tempfile.mkstemp(prefix=self.prefix, suffix=".safetensors", dir=directory)
+                fd, path = tempfile.mkstemp(prefix=self.prefix, suffix=".safetensors", dir=_staging_dir())
                 os.close(fd)
                 await asyncio.to_thread(write_safetensors, path, self.tensors)
                 self._path, self._owned = path, True
@@ -210,9 +408,14 @@ class StagedWeights:
         return self._path
 
     def cleanup(self) -> None:
+        """Remove the staging file we own (the tensors' views must no longer
+        be read: a received push's file may be reused by the next push)."""
         if self._owned and self._path:
             try:
-                os.unlink(self._path)
+                if self._recycle:
+                    _recycle(self._path)
+                else:
+                    os.unlink(self._path)
             except FileNotFoundError:
                 pass
             self._path, self._owned = None, False
