@@ -73,9 +73,6 @@ class RequestTable:
         """request id -> (request, its runner task), in start order (read-only)."""
         return MappingProxyType(self._running)
 
-    def tasks(self) -> list[asyncio.Task]:
-        return [t for _, t in self._running.values()]
-
     def __len__(self) -> int:
         return len(self._running)
 
