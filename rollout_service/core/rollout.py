@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Protocol
 
 from rollout_service.core.clock import Clock
-from rollout_service.core.delivery import DeliveryLog, Entry
+from rollout_service.core.delivery import DeliveryLog
 from rollout_service.core.fleet import Fleet
 from rollout_service.core.histogram import Histogram
 from rollout_service.core.rebalancing import Rebalancing
@@ -189,7 +189,7 @@ class RolloutCore:
             policy_version=self.policy_version,
             groups=[g for g in self.groups.values() if not g.aborted and g.listener is None],
             done_group_ids=list(self._done_groups),
-            entries=[Entry(e.cursor, e.sample, e.group_complete) for e in self.delivery.entries()],
+            entries=self.delivery.entries(),  # a new list; entries are never changed once logged
             last_cursor=self.delivery.last_cursor,
             consumers=self.delivery.consumers(),
             counters=dict(self.counters),
