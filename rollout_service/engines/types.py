@@ -63,7 +63,11 @@ class EngineRequest:
     `generated_token_ids` is a partial response to continue from (empty for
     a fresh request): the engine re-prefills prompt + generated and samples
     at most `max_new_tokens` more. `hints` carries workload hints that only a
-    simulated engine reads (e.g. the target response length).
+    simulated engine reads (e.g. the target response length). `cache_salt`
+    partitions the engine's prefix cache: a request reuses cached KV only of
+    requests with the same salt ("": no salt); the core salts by the policy
+    version that computes the context, so no request attends to KV of other
+    weights unless the carry-over mode says so.
     """
 
     request_id: str
@@ -72,6 +76,7 @@ class EngineRequest:
     sampling: SamplingParams
     max_new_tokens: int
     hints: dict[str, str] = field(default_factory=dict)
+    cache_salt: str = ""
 
 
 @dataclass(slots=True)
