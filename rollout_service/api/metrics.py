@@ -111,6 +111,14 @@ def core_families(st: CoreStatus) -> Iterator[Metric]:
         for e in st.engines:
             family.add_metric([e.load.engine_id], read(e))
         yield family
+    for series, help_ in (
+        ("prefix_cache_queried_tokens", "Prompt tokens looked up in the engine's prefix cache at admission."),
+        ("prefix_cache_hit_tokens", "Prompt tokens found in the engine's prefix cache (prefill skipped)."),
+    ):
+        family = CounterMetricFamily(f"rollout_engine_{series}", help_, labels=["engine"])
+        for e in st.engines:
+            family.add_metric([e.load.engine_id], getattr(e.load, series))
+        yield family
     up = GaugeMetricFamily("rollout_engine_state", "1 for the engine's state (starting, ready, updating, dead).",
                            labels=["engine", "state"])
     for e in st.engines:

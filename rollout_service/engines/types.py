@@ -111,7 +111,12 @@ class PartialResponse:
 
 @dataclass(slots=True)
 class EngineLoad:
-    """A snapshot of one engine's load, as the scheduling policies see it."""
+    """A snapshot of one engine's load, as the scheduling policies see it.
+
+    `prefix_cache_queried_tokens` / `prefix_cache_hit_tokens` are cumulative
+    since the engine (re)started: prompt tokens its prefix cache was asked
+    for when a request was admitted, and those it already held (vLLM's own
+    counters; a simulated engine's model of them)."""
 
     engine_id: str
     kind: str
@@ -123,11 +128,17 @@ class EngineLoad:
     kv_capacity_tokens: int  # tokens the KV cache holds (0: unknown, e.g. not started)
     tokens_per_s: float
     policy_version: int
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
 
     @property
     def kv_usage(self) -> float:
         return self.kv_used_tokens / self.kv_capacity_tokens if self.kv_capacity_tokens else 0.0
 
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        q = self.prefix_cache_queried_tokens
+        return self.prefix_cache_hit_tokens / q if q else 0.0
 
 
 @dataclass(slots=True, frozen=True)

@@ -14,7 +14,10 @@ staged safetensors file (`RolloutWorkerExtension`), `update_weight_version`,
 
 KV use is reported in tokens: the engine core's cache (blocks x block
 size, read from the vLLM config once the engine is up) times vLLM's
-usage fraction.
+usage fraction. Prefix caching is vLLM's (on by default); a request's
+`cache_salt` goes to vLLM as the prompt's salt, so cached KV is shared only
+between requests of one salt, and vLLM's prefix-cache counters (queried and
+hit prompt tokens) are summed into the engine's load.
 
 Speculation at temperature > 0 is exact on vLLM's CPU platform only with
 `vllm_plugin`'s rejection-sampler fix in the worker processes; an engine
@@ -96,6 +99,10 @@ class _LoadLogger:
                     engine._running = scheduler_stats.num_running_reqs
                     engine._waiting = scheduler_stats.num_waiting_reqs
                     engine._kv_usage = scheduler_stats.kv_cache_usage
+                    pc = scheduler_stats.prefix_cache_stats  # this interval's (vLLM resets it per report)
+                    if pc is not None:
+                        engine._prefix_queried += int(pc.queries)
+                        engine._prefix_hits += int(pc.hits)
                 if iteration_stats is not None:
                     engine._count_tokens(iteration_stats.num_generation_tokens)
                 if engine.speculation is not None:
@@ -160,6 +167,7 @@ class VllmEngine:
         self._seqs: dict[str, _Seq] = {}
         self._running = self._waiting = 0
         self._kv_usage = 0.0
+        self._prefix_queried = self._prefix_hits = 0  # cumulative, tokens (vLLM's prefix-cache counters)
         self._tok_window: list[tuple[float, int]] = []
         self._manifest = checkpoint_manifest(model)
         self._update_lock = asyncio.Lock()
@@ -181,6 +189,7 @@ class VllmEngine:
             self.restarts += 1
         self._state = EngineState.STARTING
         self._version = 0  # a fresh engine serves the model directory's weights
+        self._prefix_queried = self._prefix_hits = 0  # a fresh engine core starts with an empty cache
         args = self._engine_args()
         # Construction blocks until the engine core is up (~20 s on a CPU), so
         # it runs in a thread: a restart must not stall the other engines.
@@ -316,6 +325,8 @@ class VllmEngine:
         from vllm.inputs import TokensPrompt
 
         prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids) + list(request.generated_token_ids))
+        if request.cache_salt:
+            prompt["cache_salt"] = request.cache_salt  # reuse only KV cached under the same salt
         rid = request.request_id
         try:
             async for out in self._llm.generate(prompt, self._sampling_params(request), rid):
@@ -411,6 +422,8 @@ class VllmEngine:
             kv_capacity_tokens=self._kv_capacity,
             tokens_per_s=rate,
             policy_version=self._version,
+            prefix_cache_queried_tokens=self._prefix_queried,
+            prefix_cache_hit_tokens=self._prefix_hits,
         )
 
     def describe(self) -> EngineDescription:
