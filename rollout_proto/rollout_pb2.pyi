@@ -35,7 +35,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class PromptGroup(_message.Message):
-    __slots__ = ("group_id", "prompt_token_ids", "prompt_text", "num_samples", "sampling", "prompt_id", "metadata")
+    __slots__ = ("group_id", "prompt_token_ids", "prompt_text", "num_samples", "sampling", "prompt_id", "metadata", "multi_turn")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,7 @@ class PromptGroup(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
+    MULTI_TURN_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     prompt_text: str
@@ -57,7 +58,8 @@ class PromptGroup(_message.Message):
     sampling: SamplingParams
     prompt_id: str
     metadata: _containers.ScalarMap[str, str]
-    def __init__(self, group_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., num_samples: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., prompt_id: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    multi_turn: MultiTurn
+    def __init__(self, group_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., num_samples: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., prompt_id: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., multi_turn: _Optional[_Union[MultiTurn, _Mapping]] = ...) -> None: ...
 
 class SubmitRequest(_message.Message):
     __slots__ = ("groups", "batch_id")
@@ -112,7 +114,7 @@ class SpecStats(_message.Message):
     def __init__(self, draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("sample_id", "group_id", "index", "prompt_id", "prompt_token_ids", "response_token_ids", "logprobs", "versions", "min_version", "max_version", "finish_reason", "engines", "num_migrations", "timing", "spec", "response_text", "metadata", "batch_id", "drop_reason")
+    __slots__ = ("sample_id", "group_id", "index", "prompt_id", "prompt_token_ids", "response_token_ids", "logprobs", "versions", "min_version", "max_version", "finish_reason", "engines", "num_migrations", "timing", "spec", "response_text", "metadata", "batch_id", "drop_reason", "turns", "loss_mask")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +141,8 @@ class Sample(_message.Message):
     METADATA_FIELD_NUMBER: _ClassVar[int]
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     DROP_REASON_FIELD_NUMBER: _ClassVar[int]
+    TURNS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
     sample_id: str
     group_id: str
     index: int
@@ -158,17 +162,21 @@ class Sample(_message.Message):
     metadata: _containers.ScalarMap[str, str]
     batch_id: str
     drop_reason: str
-    def __init__(self, sample_id: _Optional[str] = ..., group_id: _Optional[str] = ..., index: _Optional[int] = ..., prompt_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., response_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., versions: _Optional[_Iterable[_Union[VersionSegment, _Mapping]]] = ..., min_version: _Optional[int] = ..., max_version: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., engines: _Optional[_Iterable[str]] = ..., num_migrations: _Optional[int] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., spec: _Optional[_Union[SpecStats, _Mapping]] = ..., response_text: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., batch_id: _Optional[str] = ..., drop_reason: _Optional[str] = ...) -> None: ...
+    turns: _containers.RepeatedCompositeFieldContainer[Turn]
+    loss_mask: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, sample_id: _Optional[str] = ..., group_id: _Optional[str] = ..., index: _Optional[int] = ..., prompt_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., response_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., versions: _Optional[_Iterable[_Union[VersionSegment, _Mapping]]] = ..., min_version: _Optional[int] = ..., max_version: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., engines: _Optional[_Iterable[str]] = ..., num_migrations: _Optional[int] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., spec: _Optional[_Union[SpecStats, _Mapping]] = ..., response_text: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., batch_id: _Optional[str] = ..., drop_reason: _Optional[str] = ..., turns: _Optional[_Iterable[_Union[Turn, _Mapping]]] = ..., loss_mask: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SampleEvent(_message.Message):
-    __slots__ = ("cursor", "sample", "group_complete")
+    __slots__ = ("cursor", "sample", "group_complete", "awaiting_observation")
     CURSOR_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     GROUP_COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    AWAITING_OBSERVATION_FIELD_NUMBER: _ClassVar[int]
     cursor: int
     sample: Sample
     group_complete: bool
-    def __init__(self, cursor: _Optional[int] = ..., sample: _Optional[_Union[Sample, _Mapping]] = ..., group_complete: _Optional[bool] = ...) -> None: ...
+    awaiting_observation: bool
+    def __init__(self, cursor: _Optional[int] = ..., sample: _Optional[_Union[Sample, _Mapping]] = ..., group_complete: _Optional[bool] = ..., awaiting_observation: _Optional[bool] = ...) -> None: ...
 
 class AckRequest(_message.Message):
     __slots__ = ("consumer_id", "cursor")
@@ -388,3 +396,61 @@ class SpecStatus(_message.Message):
     trainer_rounds: int
     engines: _containers.RepeatedCompositeFieldContainer[SpecEngineStatus]
     def __init__(self, method: _Optional[str] = ..., tune: _Optional[bool] = ..., train: _Optional[bool] = ..., draft_version: _Optional[int] = ..., trained_on_policy_version: _Optional[int] = ..., trainer_rounds: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[SpecEngineStatus, _Mapping]]] = ...) -> None: ...
+
+class MultiTurn(_message.Message):
+    __slots__ = ("max_turns", "max_total_tokens", "environment")
+    MAX_TURNS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ENVIRONMENT_FIELD_NUMBER: _ClassVar[int]
+    max_turns: int
+    max_total_tokens: int
+    environment: str
+    def __init__(self, max_turns: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., environment: _Optional[str] = ...) -> None: ...
+
+class Turn(_message.Message):
+    __slots__ = ("kind", "start", "length", "engine_id", "finish_reason", "started_at", "finished_at", "tool_seconds")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[Turn.Kind]
+        KIND_GENERATED: _ClassVar[Turn.Kind]
+        KIND_OBSERVATION: _ClassVar[Turn.Kind]
+    KIND_UNSPECIFIED: Turn.Kind
+    KIND_GENERATED: Turn.Kind
+    KIND_OBSERVATION: Turn.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
+    TOOL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    kind: Turn.Kind
+    start: int
+    length: int
+    engine_id: str
+    finish_reason: FinishReason
+    started_at: float
+    finished_at: float
+    tool_seconds: float
+    def __init__(self, kind: _Optional[_Union[Turn.Kind, str]] = ..., start: _Optional[int] = ..., length: _Optional[int] = ..., engine_id: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., tool_seconds: _Optional[float] = ...) -> None: ...
+
+class ContinueRequest(_message.Message):
+    __slots__ = ("sample_id", "turn", "observation_token_ids", "observation_text", "done")
+    SAMPLE_ID_FIELD_NUMBER: _ClassVar[int]
+    TURN_FIELD_NUMBER: _ClassVar[int]
+    OBSERVATION_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    OBSERVATION_TEXT_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    sample_id: str
+    turn: int
+    observation_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    observation_text: str
+    done: bool
+    def __init__(self, sample_id: _Optional[str] = ..., turn: _Optional[int] = ..., observation_token_ids: _Optional[_Iterable[int]] = ..., observation_text: _Optional[str] = ..., done: _Optional[bool] = ...) -> None: ...
+
+class ContinueResponse(_message.Message):
+    __slots__ = ("applied",)
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    applied: bool
+    def __init__(self, applied: _Optional[bool] = ...) -> None: ...

@@ -64,6 +64,11 @@ class RolloutServiceStub:
                 request_serializer=rollout_dot_v1_dot_rollout__pb2.StatusRequest.SerializeToString,
                 response_deserializer=rollout_dot_v1_dot_rollout__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.Continue = channel.unary_unary(
+                '/rollout.v1.RolloutService/Continue',
+                request_serializer=rollout_dot_v1_dot_rollout__pb2.ContinueRequest.SerializeToString,
+                response_deserializer=rollout_dot_v1_dot_rollout__pb2.ContinueResponse.FromString,
+                _registered_method=True)
 
 
 class RolloutServiceServicer:
@@ -115,6 +120,14 @@ class RolloutServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Continue(self, request, context):
+        """Multi-turn trajectories (see the block at the end): answer a turn event
+        of a trainer-driven trajectory with an observation, or end it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -147,6 +160,11 @@ def add_RolloutServiceServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=rollout_dot_v1_dot_rollout__pb2.StatusRequest.FromString,
                     response_serializer=rollout_dot_v1_dot_rollout__pb2.StatusResponse.SerializeToString,
+            ),
+            'Continue': grpc.unary_unary_rpc_method_handler(
+                    servicer.Continue,
+                    request_deserializer=rollout_dot_v1_dot_rollout__pb2.ContinueRequest.FromString,
+                    response_serializer=rollout_dot_v1_dot_rollout__pb2.ContinueResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -311,6 +329,33 @@ class RolloutService:
             '/rollout.v1.RolloutService/GetStatus',
             rollout_dot_v1_dot_rollout__pb2.StatusRequest.SerializeToString,
             rollout_dot_v1_dot_rollout__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Continue(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollout.v1.RolloutService/Continue',
+            rollout_dot_v1_dot_rollout__pb2.ContinueRequest.SerializeToString,
+            rollout_dot_v1_dot_rollout__pb2.ContinueResponse.FromString,
             options,
             channel_credentials,
             insecure,

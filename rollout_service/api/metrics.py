@@ -37,6 +37,13 @@ COUNTER_HELP = {
     "engine_restarts": "Engines restarted after a failure.",
     "migrations": "Running requests moved from one engine to another.",
     "requests_requeued": "Requests put back in the queue (engine failure, preemption).",
+    "turns_completed": "Generated turns of multi-turn trajectories finished.",
+    "turn_events": "Turn events delivered to trainers (trainer-driven trajectories waiting for an observation).",
+    "observations_appended": "Observations appended to trajectories (from Continue or an environment).",
+    "observation_tokens": "Tokens of the observations appended to trajectories.",
+    "observations_too_long": "Environment observations that did not fit their trajectory (it ended at its length limit).",
+    "trajectory_moves": "Trajectory turns placed on another engine than the one holding their prefix.",
+    "environment_errors": "Environment calls that failed (the trajectory ends, aborted).",
 }
 HISTOGRAM_HELP = {
     "sample_latency_seconds": "Seconds from a sample being queued to it finishing.",

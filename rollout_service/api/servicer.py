@@ -76,6 +76,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                 cursor=entry.cursor,
                 sample=convert.sample_to_pb(entry.sample),
                 group_complete=entry.group_complete,
+                awaiting_observation=entry.sample.awaiting_observation,
             )
 
     async def Ack(self, request: pb.AckRequest, context) -> pb.AckResponse:
@@ -94,6 +95,22 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         except (FieldError, CoreError) as exc:
             await _fail(context, exc)
         return pb.AbortResponse(aborted_groups=n, partial_samples=[convert.sample_to_pb(s) for s in partials])
+
+    async def Continue(self, request: pb.ContinueRequest, context) -> pb.ContinueResponse:
+        """Answer a trainer-driven trajectory's turn event: append the
+        observation and queue its next turn, or end it (`done`)."""
+        try:
+            answer = validation.continue_request(request, self.limits, self.tokenizer)
+            applied = self.core.continue_trajectory(answer.sample_id, answer.turn, answer.observation_token_ids,
+                                                    answer.done)
+        except FieldError as exc:
+            await _fail(context, exc)
+        except CoreError as exc:
+            if request.observation_text and str(exc).startswith("observation_token_ids"):
+                # The text was tokenized here: name the field the caller set.
+                exc = CoreError(exc.code, "observation_text (tokenized)" + str(exc)[len("observation_token_ids"):])
+            await _fail(context, exc)
+        return pb.ContinueResponse(applied=applied)
 
     async def GetStatus(self, request: pb.StatusRequest, context) -> pb.StatusResponse:
         spec = self.spec_runtime.status() if self.spec_runtime is not None else None
