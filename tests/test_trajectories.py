@@ -322,3 +322,26 @@ def test_environment_configuration_errors_name_the_key():
     with pytest.raises(ValueError) as err:
         Environments.build({"x": {"entry_point": "json:dumps"}})
     assert "not an async function" in str(err.value)
+
+
+@pytest.mark.parametrize("mode, salt", [("continue", 0), ("pause-resume", 1)])
+def test_the_prefix_cache_partition_of_a_turn_after_a_push_follows_the_carry_over_mode(mode, salt):
+    """`continue`: the next turn on its engine reuses the context KV the old
+    weights computed (partition v0); `pause-resume`: recomputed under v1."""
+    async def main():
+        core = RolloutCore(_engines(1), make_placement("least-assigned"), Clock(), carry_over=CarryOverConfig(mode=mode))
+        core.submit([_group("s", 1, [[12, 400]], max_turns=2)])
+        await core.start()
+        stream = core.delivery.stream("c").__aiter__()
+        event = (await stream.__anext__()).sample
+        req = core.groups["s"].requests[0]
+        assert req.engine_request().cache_salt == "v0"
+        await core.update_weights(1, StagedWeights({}))
+        core.continue_trajectory(event.sample_id, 0, [4] * 5)
+        await asyncio.sleep(0.05)  # its second turn is running
+        assert req.engine_id is not None
+        got = req.engine_request().cache_salt
+        await core.stop()
+        return got
+
+    assert run_virtual(main()) == f"v{salt}"
