@@ -224,3 +224,124 @@ def test_an_unknown_environment_is_refused_at_submit():
         assert "groups[0].multi_turn.environment" in str(err.value) and not core.groups
 
     run_virtual(main())
+
+
+def test_waiting_trajectories_survive_a_checkpoint_and_finish_after_the_restart(tmp_path):
+    async def first():
+        core = RolloutCore(_engines(1), make_placement("least-assigned"), Clock())
+        core.submit([_group("k", 1, [[8, 6]], max_turns=2)])
+        await core.start()
+        stream = core.delivery.stream("c").__aiter__()
+        event = (await stream.__anext__()).sample
+        core.delivery.ack("c", 1)
+        await core.checkpoint(str(tmp_path))
+        await core.stop()
+        return event
+
+    async def second(sample_id):
+        core = RolloutCore(_engines(1), make_placement("least-assigned"), Clock())
+        assert core.restore(str(tmp_path))
+        await core.start()
+        assert core.continue_trajectory(sample_id, 0, [2] * 4)
+        final = await _samples(core, 1)
+        await core.stop()
+        return final[0]
+
+    event = run_virtual(first())
+    final = run_virtual(second(event.sample_id))
+    assert final.response_token_ids[:8] == event.response_token_ids
+    assert [t.kind for t in final.turns] == ["generated", "observation", "generated"]
+    assert final.loss_mask == [1] * 8 + [0] * 4 + [1] * 6
+
+
+# -- configured environments, through the service --------------------------------
+
+async def echo_tool(req: EnvRequest) -> EnvReply:
+    """An entry-point environment for the tests: echoes the turn's length."""
+    if req.turn >= 1:
+        return EnvReply(done=True)
+    return EnvReply(observation_token_ids=[len(req.turn_token_ids)] * 3)
+
+
+async def test_a_configured_entry_point_and_an_http_environment_drive_trajectories():
+    from aiohttp import web
+
+    from conftest import running, sim_config
+
+    seen = []
+
+    async def step(request: web.Request) -> web.Response:
+        body = await request.json()
+        seen.append(body)
+        if body["turn"] >= 1:
+            return web.json_response({"done": True})
+        return web.json_response({"observation_token_ids": [42] * 5})
+
+    app = web.Application()
+    app.router.add_post("/step", step)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    cfg = sim_config(num_engines=2)
+    cfg.environments = {"echo": {"entry_point": "test_trajectories:echo_tool"},
+                        "web": {"url": f"http://127.0.0.1:{port}/step", "timeout_s": 5}}
+    try:
+        async with running(cfg) as service:
+            core = service.core
+            core.submit([_group("e", 2, [[9, 4]], env="echo"), _group("h", 2, [[6, 3]], env="web")])
+            got = {s.sample_id: s for s in await _samples(core, 4)}
+    finally:
+        await runner.cleanup()
+    for sid in ("e/0", "e/1"):
+        assert got[sid].response_token_ids[9:12] == [9, 9, 9] and got[sid].loss_mask == [1] * 9 + [0] * 3 + [1] * 4
+    for sid in ("h/0", "h/1"):
+        assert got[sid].response_token_ids[6:11] == [42] * 5 and len(got[sid].turns) == 3
+    assert {b["finish_reason"] for b in seen} == {"stop"} and len(seen) == 4
+    assert all(len(b["turn_token_ids"]) in (6, 3) for b in seen)
+
+
+def test_environment_configuration_errors_name_the_key():
+    from rollout_service.config import load_config
+    from rollout_service.environments import Environments
+
+    for overrides, needle in (
+        (["environments.x.entry_point=nodots"], "environments.x.entry_point"),
+        (["environments.x.url=ftp://h"], "environments.x.url"),
+        (["environments.x.entry_point=a:b", "environments.x.url=http://h"], "exactly one"),
+        (["environments.x.entry_point=a:b", "environments.x.retries=3"], "environments.x.retries"),
+        (["environments.x.url=http://h", "environments.x.timeout_s=0"], "environments.x.timeout_s"),
+    ):
+        with pytest.raises(ValueError) as err:
+            load_config(None, overrides)
+        assert needle in str(err.value)
+    with pytest.raises(ValueError) as err:
+        Environments.build({"x": {"entry_point": "no_such_module_here:f"}})
+    assert "environments.x.entry_point" in str(err.value)
+    with pytest.raises(ValueError) as err:
+        Environments.build({"x": {"entry_point": "json:dumps"}})
+    assert "not an async function" in str(err.value)
+
+
+@pytest.mark.parametrize("mode, salt", [("continue", 0), ("pause-resume", 1)])
+def test_the_prefix_cache_partition_of_a_turn_after_a_push_follows_the_carry_over_mode(mode, salt):
+    """`continue`: the next turn on its engine reuses the context KV the old
+    weights computed (partition v0); `pause-resume`: recomputed under v1."""
+    async def main():
+        core = RolloutCore(_engines(1), make_placement("least-assigned"), Clock(), carry_over=CarryOverConfig(mode=mode))
+        core.submit([_group("s", 1, [[12, 400]], max_turns=2)])
+        await core.start()
+        stream = core.delivery.stream("c").__aiter__()
+        event = (await stream.__anext__()).sample
+        req = core.groups["s"].requests[0]
+        assert req.engine_request().cache_salt == "v0"
+        await core.update_weights(1, StagedWeights({}))
+        core.continue_trajectory(event.sample_id, 0, [4] * 5)
+        await asyncio.sleep(0.05)  # its second turn is running
+        assert req.engine_id is not None
+        got = req.engine_request().cache_salt
+        await core.stop()
+        return got
+
+    assert run_virtual(main()) == f"v{salt}"

@@ -331,12 +331,13 @@ class RolloutCore:
         req.segment_start = len(req.token_ids)
         req.segment_version = self.policy_version
         req.attempt += 1
-        if not (req.token_ids and self.carry_over.mode == "continue"):
-            # Context computed now, under the serving weights: their cache
-            # partition. `continue` keeps a partial response's partition (its
-            # KV was computed by the weights that sampled it).
-            req.salt_version = self.policy_version
         warm = self.trajectories.starting(req, engine.engine_id)
+        if not (warm and self.carry_over.mode == "continue"):
+            # Its context is computed now, by the serving weights: their
+            # prefix-cache partition. Under `continue`, a trajectory's next
+            # turn on the engine holding its context keeps the partition of
+            # the weights that computed that KV.
+            req.salt_version = self.policy_version
         if req.engines and not warm:
             # Continuing a partial response: the prefix is prefilled again.
             req.reprefilled_tokens += len(req.group.spec.prompt_token_ids) + len(req.token_ids)

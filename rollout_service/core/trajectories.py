@@ -133,13 +133,16 @@ class Trajectories:
         """After a restart: ask the environments again for the trajectories
         that were waiting on them (a trainer's turn events are re-delivered
         from the restored log)."""
+        now = self.core.clock.now()
         for group in self.core.groups.values():
             mt = group.spec.multi_turn
-            if mt is None or not mt.environment:
+            if mt is None:
                 continue
             for req in group.requests:
                 if req.awaiting and req.finish_reason is None:
-                    self._calls.spawn(self._call(req, req.epoch, req.turn_index - 1), name=f"env-{req.request_id}")
+                    req.awaiting_since = now
+                    if mt.environment:
+                        self._calls.spawn(self._call(req, req.epoch, req.turn_index - 1), name=f"env-{req.request_id}")
 
     async def stop(self) -> None:
         await self._calls.cancel_all()
