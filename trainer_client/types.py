@@ -14,7 +14,7 @@ class Turn:
     """A span of a multi-turn trajectory's response: `kind` "generated"
     (sampled by the policy, trained on) or "observation" (appended between
     turns, masked out). `response_token_ids[start:start + length]`. A
-    generated turn names the engine that finished it and why it ended; an
+    generated turn names the engine it started on and why it ended; an
     observation's `tool_seconds` is how long it took to arrive after its
     turn ended. Times are seconds since the epoch."""
 
