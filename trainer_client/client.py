@@ -241,7 +241,7 @@ class RolloutClient:
 
         Args:
             respond: answers turn events; None when every multi-turn group
-                is environment-driven (a turn event then raises ValueError).
+                is environment-driven (turn events are then skipped, logged).
             ack: acknowledge consumed groups and answered turn events.
         """
         pending: dict[str, list[CompletedSample]] = {}
@@ -285,8 +285,9 @@ class RolloutClient:
                     answering.pop(cursor)
                 if sample.awaiting_observation:
                     if respond is None:
-                        raise ValueError(f"turn event of {sample.sample_id!r}: its group is trainer-driven "
-                                         "(no environment), pass respond= to answer it")
+                        log.warning("turn event of %s not answered: its group is trainer-driven (no environment) "
+                                    "and trajectory_groups got no respond=", sample.sample_id)
+                        continue
                     answering[sample.cursor] = asyncio.create_task(answer(sample), name=f"respond-{sample.sample_id}")
                     continue
                 pending.setdefault(sample.group_id, []).append(sample)
