@@ -7,6 +7,11 @@ An engine failure or a migration aborts the request with its partial
 response and re-queues it at the head: the partial is continued (re-prefill)
 wherever it lands next, so nothing generated is lost. The core never knows
 which engine kind it drives.
+
+A multi-turn group's samples are trajectories (see core/trajectories.py):
+a finished turn waits for an observation (from the trainer or an
+environment), which is appended and the next turn queued at the head, on
+the engine that holds its prefix when it has room.
 """
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ import logging
 import uuid
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
-from typing import Callable, Iterable, Protocol
+from typing import Awaitable, Callable, Iterable, Mapping, Protocol
 
 from rollout_service.core.clock import Clock
 from rollout_service.core.delivery import DeliveryLog, Entry
@@ -26,13 +31,25 @@ from rollout_service.core.requests import RequestTable
 from rollout_service.core.snapshot import CoreSnapshot
 from rollout_service.core.status import CoreStatus, EngineStatus
 from rollout_service.core.tasks import TaskSet
+from rollout_service.core.trajectories import Trajectories
 from rollout_service.core.weight_sync import WeightSync
 from rollout_service.engines.base import Engine
 from rollout_service.engines.types import FinishReason
 from rollout_service.engines.weights import StagedWeights
-from rollout_service.lifecycle.types import CoreError, DeltaEvent, Group, GroupSpec, Request, Sample, SampleEvent
+from rollout_service.lifecycle.types import (
+    CoreError,
+    DeltaEvent,
+    EnvReply,
+    EnvRequest,
+    Group,
+    GroupSpec,
+    Request,
+    Sample,
+    SampleEvent,
+)
 from rollout_service.partial.carry_over import CarryOverConfig
 from rollout_service.scheduling.length_predictor import LengthPredictor
+from rollout_service.scheduling.affinity import place_affine
 from rollout_service.scheduling.placement import LoadView, Placement
 from rollout_service.scheduling.rebalancer import Move, RebalanceConfig
 
@@ -43,6 +60,10 @@ PLACEMENT_RETRY_S = (0.1, 5.0)  # back-off after a placement error: first, doubl
 
 class Detokenizer(Protocol):
     def decode(self, token_ids: list[int]) -> str: ...
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+
+Environment = Callable[[EnvRequest], Awaitable[EnvReply]]
 
 
 @dataclass(slots=True)
@@ -70,8 +91,11 @@ class RolloutCore:
         carry_over: CarryOverConfig | None = None,
         rebalance: RebalanceConfig | None = None,
         predictor: LengthPredictor | None = None,
+        environments: Mapping[str, Environment] | None = None,
+        affinity: bool = True,
     ) -> None:
         self.placement = placement
+        self.affinity = affinity  # a trajectory's next turn goes to the engine holding its prefix
         self.clock = clock or Clock()
         self.limits = limits or CoreLimits()
         self.detokenizer = detokenizer
@@ -97,6 +121,7 @@ class RolloutCore:
         # Called with every finished sample (e.g. the online drafter trainer);
         # must be cheap. One that raises is counted (`finish_errors`) and logged.
         self.sample_taps: list[Callable[[Sample], None]] = []
+        self.trajectories = Trajectories(self, dict(environments or {}))
 
     # -- the parts, as attributes callers know -------------------------------------
 
@@ -154,6 +179,7 @@ class RolloutCore:
         # Restored from a checkpoint: serve its policy version before any work.
         await self.weight_sync.apply_restored()
         self._tasks.spawn(self._dispatch_loop(), name="dispatch")
+        self.trajectories.resume_restored()
         self._wake.set()  # restored work may be waiting
         self._tasks.spawn(self.fleet.watch(self.limits.health_interval_s), name="engine-watch")
         if self.rebalance is not None:
@@ -204,7 +230,7 @@ class RolloutCore:
         for gid in snapshot.done_group_ids:
             self._done_groups[gid] = None
         for group in snapshot.groups:
-            self.queue.extend(r for r in group.requests if r.finish_reason is None)
+            self.queue.extend(r for r in group.requests if r.finish_reason is None and not r.awaiting)
             self.groups[group.group_id] = group
         self.delivery.restore([(e.cursor, e.sample, e.group_complete) for e in snapshot.entries],
                               snapshot.last_cursor, snapshot.consumers)
@@ -215,6 +241,7 @@ class RolloutCore:
         """Stop every task the core started (awaited), then close the engines."""
         await self._tasks.cancel_all()
         await self._runners.cancel_all()
+        await self.trajectories.stop()
         await self.fleet.close()
 
     # -- submit ----------------------------------------------------------------
@@ -230,6 +257,9 @@ class RolloutCore:
                 f"queue full: {pending} samples pending, {new} more would exceed "
                 f"max_queued_samples={self.limits.max_queued_samples}; retry later",
             )
+        for i, spec in enumerate(specs):
+            if spec.multi_turn is not None:
+                self.trajectories.check_spec(f"groups[{i}].multi_turn", spec.multi_turn)
         now = self.clock.now()
         out: list[tuple[str, bool]] = []
         for spec in specs:
@@ -289,6 +319,9 @@ class RolloutCore:
         if not self.queue:
             return
         loads = self.fleet.placeable_loads()
+        if self.affinity:  # trajectories' next turns first, where their prefix is cached
+            for req, engine_id in place_affine(self.queue, loads, self.assigned):
+                self._start(req, self.engines[engine_id])
         # Predicted load per engine: computed at most once, for this placement.
         decisions = self.placement.place(self.queue, loads, self.assigned, LoadView(self.rebalancing.predicted_loads))
         for req, engine_id in decisions:
@@ -298,7 +331,14 @@ class RolloutCore:
         req.segment_start = len(req.token_ids)
         req.segment_version = self.policy_version
         req.attempt += 1
-        if req.engines:
+        warm = self.trajectories.starting(req, engine.engine_id)
+        if not (warm and self.carry_over.mode == "continue"):
+            # Its context is computed now, by the serving weights: their
+            # prefix-cache partition. Under `continue`, a trajectory's next
+            # turn on the engine holding its context keeps the partition of
+            # the weights that computed that KV.
+            req.salt_version = self.policy_version
+        if req.engines and not warm:
             # Continuing a partial response: the prefix is prefilled again.
             req.reprefilled_tokens += len(req.group.spec.prompt_token_ids) + len(req.token_ids)
             self.counters["tokens_reprefilled"] += len(req.group.spec.prompt_token_ids) + len(req.token_ids)
@@ -313,7 +353,7 @@ class RolloutCore:
 
         finish: FinishReason | None = None
         try:
-            async for delta in engine.add(req.engine_request()):
+            async for delta in engine.add(self.trajectories.clamp(req.engine_request())):
                 if superseded():
                     return
                 if delta.token_ids:
@@ -343,6 +383,9 @@ class RolloutCore:
             # The engine stopped it without the core asking (e.g. shut down).
             self._requeue(req)
             return
+        if req.group.spec.multi_turn is not None:
+            self.trajectories.turn_ended(req, finish, engine.engine_id)
+            return
         self._finish(req, finish)
 
     def _release(self, req: Request) -> None:
@@ -355,15 +398,20 @@ class RolloutCore:
         self.queue.appendleft(req)
         self._wake.set()
 
-    def _finish(self, req: Request, reason: FinishReason) -> None:
-        """Deliver a finished sample. What the optional steps raise (the
-        detokenizer, the predictor, a sample tap) is counted as
-        `finish_errors` and logged; the sample is delivered regardless."""
+    def _finish(self, req: Request, reason: FinishReason, drop_reason: str = "") -> None:
+        """Deliver a finished sample (`drop_reason`: the service gave it up).
+        What the optional steps raise (the detokenizer, the predictor, a
+        sample tap) is counted as `finish_errors` and logged; the sample is
+        delivered regardless."""
         req.finished_at = self.clock.now()
         req.finish_reason = reason
+        req.awaiting = False
         group = req.group
         group.finished += 1
         sample = Sample.from_request(req, reason)
+        sample.drop_reason = drop_reason
+        if drop_reason:
+            self.counters["samples_dropped"] += 1
         if group.spec.prompt_text and self.detokenizer is not None:
             text = self._guarded("detokenizer", req, self.detokenizer.decode, sample.response_token_ids)
             sample.response_text = text or ""
@@ -400,6 +448,17 @@ class RolloutCore:
         self._done_groups[group.group_id] = None
         while len(self._done_groups) > self.limits.remembered_group_ids:
             self._done_groups.popitem(last=False)
+
+    # -- multi-turn trajectories (see core/trajectories.py) -----------------------
+
+    def continue_trajectory(self, sample_id: str, turn: int, observation_token_ids: list[int],
+                            done: bool = False) -> bool:
+        """Answer turn `turn` of a trainer-driven trajectory: append the
+        observation and queue its next turn, or end it (`done`). False for a
+        repeat of an answer already applied; CoreError naming what is wrong
+        otherwise (unknown or finished trajectory, not waiting for that turn,
+        an observation that does not fit)."""
+        return self.trajectories.answer(sample_id, turn, observation_token_ids, done)
 
     # -- abort and migration -----------------------------------------------------
 
@@ -475,6 +534,8 @@ class RolloutCore:
         samples = []
         for req in pending:
             await self.preempt(req)
+            self.trajectories.close_turn(req, FinishReason.ABORTED)
+            req.awaiting = False
             req.finish_reason = FinishReason.ABORTED
             req.finished_at = self.clock.now()
             sample = Sample.from_request(req, FinishReason.ABORTED)
@@ -528,8 +589,10 @@ class RolloutCore:
         return set(self.running)
 
     def requeue_front(self, reqs: list[Request]) -> None:
-        """Queue carried requests ahead of new work, keeping their order."""
-        self.queue.extendleft(reversed([r for r in reqs if r.engine_id is None and not r.group.aborted]))
+        """Queue carried requests ahead of new work, keeping their order (a
+        trajectory waiting for an observation stays waiting)."""
+        self.queue.extendleft(reversed([r for r in reqs if r.engine_id is None and not r.group.aborted
+                                        and not r.awaiting]))
         self._wake.set()
 
     async def give_up(self, group: Group, reason: str) -> None:

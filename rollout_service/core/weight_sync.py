@@ -106,12 +106,15 @@ class WeightSync:
     async def _apply_carry(self, plan: CarryPlan, unfinished: list[Request], work: WorkOps) -> None:
         restart = {r.request_id for r in plan.restart}
         dropped = {g.group_id for g in plan.drop}
+        # A trajectory waiting for an observation is in no queue: restarted,
+        # it is queued again (its pending answer becomes stale).
+        waiting = [r for r in plan.restart if r.awaiting and r.group.group_id not in dropped]
         for req in plan.restart:
             self._counters["tokens_discarded"] += len(req.token_ids)
             req.reset()
         self._counters["tokens_carried"] += sum(
             len(r.token_ids) for r in unfinished if r.request_id not in restart and r.group.group_id not in dropped
         )
-        work.requeue_front([r for r in plan.preempt if r.group.group_id not in dropped])
+        work.requeue_front([r for r in plan.preempt if r.group.group_id not in dropped] + waiting)
         for group in plan.drop:
             await work.give_up(group, "max_version_lag")

@@ -65,7 +65,9 @@ class EngineRequest:
     at most `max_new_tokens` more. `hints` carries workload hints that only a
     simulated engine reads (e.g. the target response length). `cache_salt`
     partitions the engine's prefix cache: a request reuses cached KV only of
-    requests with the same salt ("" = no salt, the unsalted partition).
+    requests with the same salt ("": no salt); the core salts by the policy
+    version that computes the context, so no request attends to KV of other
+    weights unless the carry-over mode says so.
     """
 
     request_id: str
