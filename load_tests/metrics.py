@@ -264,6 +264,7 @@ class Counters:
     continued_queried: int = 0  # of those, requests continuing a response (simulated engines)
     continued_hits: int = 0
     prefilled: int = 0  # tokens prefilled (simulated engines)
+    observation_tokens: int = 0  # multi-turn: observation tokens appended by the core
 
     @classmethod
     def read(cls, fleet) -> "Counters":
@@ -281,6 +282,7 @@ class Counters:
             sum(getattr(e, "continued_queried_tokens", 0) for e in engines),
             sum(getattr(e, "continued_hit_tokens", 0) for e in engines),
             sum(getattr(e, "prefill_tokens", 0) for e in engines),
+            int(counters.get("observation_tokens", 0)),
         )
 
 

@@ -13,9 +13,13 @@ appends the traced number of observation tokens.
 
 Per step, besides the single-turn figures:
 
-- `prefix_cache_hit_rate`: of the context that requests continuing a
-  response (a trajectory's later turns, and migrated requests) looked up in
-  their engine's prefix cache, the share found there (whole blocks);
+- `prefix_cache_hit_rate`: of the context of requests continuing a
+  response (a trajectory's later turns, and migrated requests) that existed
+  before (everything but the observation just appended, which no cache can
+  hold), the share found in their engine's prefix cache (whole blocks);
+  `prefix_cache_hit_rate_of_context` divides by the whole context instead,
+  observations included (the trace's own "52%" is this figure averaged per
+  turn; by tokens, the trace's later turns could at best find 56%);
   `prefix_cache_hit_rate_all` counts first turns too;
 - `engine_idle_while_tools`: engine time idle (no running sequence) while at
   least one tool call was in flight, as a fraction of the fleet's time in
@@ -86,6 +90,7 @@ def step_metrics(record: StepRecord, start: Counters, end: Counters, probe: Flee
     span = record.makespan_s
     bound, longest, work = lower_bound(record, cost, engines, w)
     queried, hits = end.continued_queried - start.continued_queried, end.continued_hits - start.continued_hits
+    reusable = max(0, queried - (end.observation_tokens - start.observation_tokens))
     all_q, all_h = end.prefix_queried - start.prefix_queried, end.prefix_hits - start.prefix_hits
     idle = 0.0
     tool_time = 0.0
@@ -107,8 +112,10 @@ def step_metrics(record: StepRecord, start: Counters, end: Counters, probe: Flee
         "bound_batch_s": 0.0,
         "ratio_to_bound": span / bound if bound > 0 else None,
         "prefix_cache_queried_tokens": queried,
+        "prefix_cache_reusable_tokens": reusable,
         "prefix_cache_hit_tokens": hits,
-        "prefix_cache_hit_rate": hits / queried if queried else 0.0,
+        "prefix_cache_hit_rate": min(1.0, hits / reusable) if reusable else 0.0,
+        "prefix_cache_hit_rate_of_context": hits / queried if queried else 0.0,
         "prefix_cache_hit_rate_all": all_h / all_q if all_q else 0.0,
         "prefilled_tokens": end.prefilled - start.prefilled,
         "engine_idle_while_tools": idle,
@@ -125,6 +132,7 @@ def summarise(steps: list[dict], records: list[StepRecord]) -> dict:
     spans = np.array([s["makespan_s"] for s in steps])
     total = float(spans.sum())
     queried = sum(s["prefix_cache_queried_tokens"] for s in steps)
+    reusable = sum(s["prefix_cache_reusable_tokens"] for s in steps)
     hits = sum(s["prefix_cache_hit_tokens"] for s in steps)
     lbs = np.array([s["lower_bound_s"] for s in steps])
     trained = sum(s["trained_tokens"] for s in steps)
@@ -132,7 +140,8 @@ def summarise(steps: list[dict], records: list[StepRecord]) -> dict:
         "multi_turn": True,
         "lower_bound_s": float(lbs.mean()) if len(lbs) else 0.0,
         "ratio_to_bound": float(total / lbs.sum()) if lbs.sum() > 0 else None,
-        "prefix_cache_hit_rate": hits / queried if queried else 0.0,
+        "prefix_cache_hit_rate": min(1.0, hits / reusable) if reusable else 0.0,
+        "prefix_cache_hit_rate_of_context": hits / queried if queried else 0.0,
         "prefix_cache_hit_rate_all": (sum(s["prefix_cache_hit_rate_all"] * s["makespan_s"] for s in steps) / total
                                       if total > 0 else 0.0),
         "prefilled_tokens": sum(s["prefilled_tokens"] for s in steps),

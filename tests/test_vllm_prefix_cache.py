@@ -60,3 +60,21 @@ async def test_a_different_cache_salt_does_not_hit_the_cached_prompt(engine):
     assert first == 0
     assert same >= len(prompt) // 2
     assert other == 0 and unsalted == 0
+
+
+async def test_a_weight_update_keeps_the_cache_partitioned_by_version(engine):
+    """A push does not flush vLLM's prefix cache: requests salted with the
+    version that computed a prefix still find it (affinity survives the
+    push); the new version's salt does not see it."""
+    import os
+
+    from rollout_service.engines.weights import StagedWeights
+
+    prompt = PROMPT[:1] + [9] + PROMPT[2:]
+    await _counted(engine, prompt, salt="v0")
+    await engine.update_weights(engine.load().policy_version + 1,
+                                StagedWeights([], source_path=os.path.join(vllm_model(), "model.safetensors")))
+    _, old = await _counted(engine, prompt, salt="v0")
+    _, new = await _counted(engine, prompt, salt="v1")
+    assert old >= len(prompt) // 2
+    assert new == 0
