@@ -117,7 +117,8 @@ def _staged(state: dict):
 
 
 def _completion(sample, prompt_len: int, keep_tokens: bool) -> Completion:
-    mask = list(getattr(sample, "loss_mask", None) or [])
+    mask = getattr(sample, "loss_mask", None)  # the core's list (the client's Sample has a method of that name)
+    mask = list(mask) if isinstance(mask, list) else []
     turns = list(getattr(sample, "turns", None) or [])
     return Completion(
         sample_id=sample.sample_id,
