@@ -270,6 +270,9 @@ class SimEngine:
         self._in_use: dict[int, int] = {}  # block -> running requests holding it
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
+        # Of those, requests continuing a partial response (a trajectory's later turns, migrations).
+        self.continued_queried_tokens = 0
+        self.continued_hit_tokens = 0
         self.prefill_tokens = 0  # tokens prefilled (charged), over the engine's life
         self.busy_s = 0.0  # time spent in steps with work (for utilisation)
         self.slot_s = 0.0  # sum over steps of running sequences x step time
@@ -440,6 +443,9 @@ class SimEngine:
         if not seq.admitted:  # vLLM counts a request's lookup once, not its re-admissions
             self.prefix_queried_tokens += len(ids)
             self.prefix_hit_tokens += hit
+            if seq.request.generated_token_ids:
+                self.continued_queried_tokens += len(ids)
+                self.continued_hit_tokens += hit
         seq.admitted = True
         return hit
 

@@ -17,7 +17,10 @@ size, read from the vLLM config once the engine is up) times vLLM's
 usage fraction. Prefix caching is vLLM's (on by default); a request's
 `cache_salt` goes to vLLM as the prompt's salt, so cached KV is shared only
 between requests of one salt, and vLLM's prefix-cache counters (queried and
-hit prompt tokens) are summed into the engine's load.
+hit prompt tokens) are summed into the engine's load. A weight update does
+not flush the prefix cache: the core salts requests by policy version, so
+what stays on one version keeps its cache (session affinity survives a
+push) and nothing attends to older weights' KV under another salt.
 
 Speculation at temperature > 0 is exact on vLLM's CPU platform only with
 `vllm_plugin`'s rejection-sampler fix in the worker processes; an engine
@@ -456,7 +459,10 @@ class VllmEngine:
             # Every wait is bounded: a stuck engine fails the push (the
             # previous version keeps serving elsewhere) instead of hanging it.
             timeout = self.update_timeout_s
-            await asyncio.wait_for(self._llm.pause_generation(mode="keep", clear_cache=True), timeout)
+            # The prefix cache is kept: the core salts every request with the
+            # policy version that computes its context (`cache_salt`), so KV
+            # of the old weights is reused only where the carry-over mode says.
+            await asyncio.wait_for(self._llm.pause_generation(mode="keep", clear_cache=False), timeout)
             try:
                 await asyncio.wait_for(self._llm.collective_rpc("rollout_reload_weights", args=(path,)), timeout)
                 await asyncio.wait_for(self._llm.update_weight_version(str(version)), timeout)
