@@ -12,7 +12,7 @@ import pytest
 
 from rollout_proto import rollout_pb2 as pb
 from rollout_service.tasks import tokenizer as char_tok
-from trainer_client import MultiTurn, PromptGroup
+from trainer_client import MultiTurn, PromptGroup, RolloutClient
 
 from conftest import connect, running, sim_config, unique
 
@@ -239,3 +239,36 @@ async def test_the_blocking_client_runs_trajectories_with_a_plain_respond(servic
     group = await asyncio.to_thread(run)
     for s in group:
         _check_trajectory(s, [3, 4], [[40] * OBS])
+
+
+async def test_an_observation_too_long_ends_its_trajectory_and_respond_errors_are_raised(service):
+    async def too_long(event):
+        return [20] * 100  # more than max_total_tokens leaves
+
+    async with connect(service, "mt") as c:
+        g = _group(2, "5,5,5", max_turns=3, max_total=40)
+        await c.submit([g])
+        async for group in c.trajectory_groups(respond=too_long):
+            if group[0].group_id == g.group_id:
+                break
+        for s in group:  # ended after its first turn, as an environment's would be
+            assert [t.kind for t in s.turns] == ["generated"] and len(s.response_token_ids) == 5
+
+        class ToolDown(Exception):
+            pass
+
+        async def broken(event):
+            raise ToolDown("search backend unreachable")
+
+        g = _group(1, "5,5,5", max_turns=3)
+        await c.submit([g])
+        with pytest.raises(ToolDown):
+            async for group in c.trajectory_groups(respond=broken):
+                pass
+    # The trajectory still waits for its answer, and the turn event was not
+    # acknowledged: the trainer, back with the same consumer id, gets it again.
+    async with RolloutClient(f"127.0.0.1:{service.grpc_port}", consumer_id=c.consumer_id) as again:
+        async for group in again.trajectory_groups(respond=lambda event: [21] * OBS):
+            if group[0].group_id == g.group_id:
+                break
+    _check_trajectory(group[0], [5, 5, 5], [[21] * OBS, [21] * OBS])
