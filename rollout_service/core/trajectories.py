@@ -209,6 +209,8 @@ class Trajectories:
         name = req.group.spec.multi_turn.environment
         env = self.environments[name]
         spec = req.group.spec
+        if self._stale(req, epoch, turn):
+            return  # restarted (e.g. past max_version_lag at a push) before this call began
         last = req.turns[-1]
         text = ""
         if core.detokenizer is not None and spec.prompt_text:
