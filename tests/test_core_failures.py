@@ -213,3 +213,42 @@ def test_the_predictor_forgets_100k_given_up_groups():
         predictor.predict(Request(f"x{i}/1", group, 1))
         predictor.forget_group(group.group_id)
     assert predictor.open_groups == 0
+
+
+def test_a_request_every_engine_refuses_is_given_up_and_reported_not_retried_forever():
+    """An engine that raises on `add` for one request (a sampling setting it
+    does not support) while serving the others: after a few attempts the
+    sample is delivered aborted with the engine's error, and the rest of the
+    group and the service go on."""
+    from rollout_service.core.clock import Clock, run_virtual
+    from rollout_service.core.rollout import MAX_FAILURES_WITHOUT_PROGRESS, RolloutCore
+    from rollout_service.engines.base import EngineError
+    from rollout_service.engines.sim import SimEngine, SimParams
+    from rollout_service.engines.types import FinishReason, SamplingParams
+    from rollout_service.lifecycle.types import GroupSpec
+    from rollout_service.scheduling import make_placement
+
+    class Picky(SimEngine):
+        def add(self, request):
+            if request.request_id.endswith("/1"):
+                raise EngineError("temperature must be at most 2")
+            return super().add(request)
+
+    async def main():
+        core = RolloutCore([Picky(f"e{i}", SimParams(seed=i)) for i in range(2)], make_placement("least-assigned"), Clock())
+        core.submit([GroupSpec("g", [1, 2, 3], 3, SamplingParams(max_tokens=50),
+                               metadata={"sim.target_lengths": "20"})])
+        await core.start()
+        got = []
+        async for entry in core.delivery.stream("c"):
+            got.append(entry)
+            if entry.group_complete:
+                break
+        await core.stop()
+        return core, {e.sample.index: e.sample for e in got}
+
+    core, got = run_virtual(main())
+    assert sorted(got) == [0, 1, 2]
+    assert got[1].finish_reason == FinishReason.ABORTED and "temperature must be at most 2" in got[1].drop_reason
+    assert got[0].finish_reason == got[2].finish_reason == FinishReason.STOP
+    assert core.counters["requests_requeued"] == MAX_FAILURES_WITHOUT_PROGRESS - 1

@@ -14,6 +14,7 @@ from rollout_service.engines.types import SamplingParams
 from rollout_service.lifecycle.types import GroupSpec, MultiTurnSpec
 
 MAX_NUM_SAMPLES = 1024
+MAX_TEMPERATURE = 2.0  # vLLM refuses hotter sampling; so does the OpenAI API
 MAX_TURNS = 1024
 MAX_ID_CHARS = 256
 MAX_METADATA_BYTES = 65_536
@@ -64,8 +65,8 @@ def sampling_params(field: str, sp: pb.SamplingParams, prompt_len: int, limits: 
             f"must be in [1, {budget}] (max_model_len {limits.max_model_len} - prompt {prompt_len}), got {sp.max_tokens}",
         )
     temperature = sp.temperature if sp.HasField("temperature") else 1.0
-    if not (math.isfinite(temperature) and 0.0 <= temperature <= 100.0):
-        raise FieldError(f"{field}.temperature", f"must be in [0, 100], got {temperature}")
+    if not (math.isfinite(temperature) and 0.0 <= temperature <= MAX_TEMPERATURE):
+        raise FieldError(f"{field}.temperature", f"must be in [0, {MAX_TEMPERATURE:g}], got {temperature}")
     top_p = sp.top_p if sp.HasField("top_p") else 1.0
     if not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
         raise FieldError(f"{field}.top_p", f"must be in (0, 1], got {top_p}")

@@ -56,6 +56,7 @@ from rollout_service.scheduling.rebalancer import Move, RebalanceConfig
 log = logging.getLogger(__name__)
 
 PLACEMENT_RETRY_S = (0.1, 5.0)  # back-off after a placement error: first, doubling up to
+MAX_FAILURES_WITHOUT_PROGRESS = 5  # a request failing this often in a row without a token is given up
 
 
 class Detokenizer(Protocol):
@@ -371,9 +372,18 @@ class RolloutCore:
         except Exception as exc:  # engine died or refused: keep the partial, re-queue
             if superseded():
                 return
+            self._release(req)
+            # Failing again and again without a token: the engines refuse
+            # it (e.g. a sampling setting they do not support), not a death.
+            req.failures = req.failures + 1 if len(req.token_ids) == req.segment_start else 1
+            if req.failures >= MAX_FAILURES_WITHOUT_PROGRESS:
+                log.warning("request %s failed %d times without a token, last on %s: %s; given up",
+                            req.request_id, req.failures, engine.engine_id, exc)
+                self.trajectories.close_turn(req, FinishReason.ABORTED)
+                self._finish(req, FinishReason.ABORTED, drop_reason=f"engine_error: {type(exc).__name__}: {exc}")
+                return
             log.warning("request %s failed on %s: %s; re-queued", req.request_id, engine.engine_id, exc)
             self.counters["requests_requeued"] += 1
-            self._release(req)
             self._requeue(req)
             return
         if superseded():
@@ -417,10 +427,10 @@ class RolloutCore:
             sample.response_text = text or ""
         self.counters["samples_completed"] += 1
         self.histograms["sample_latency_seconds"].observe(req.finished_at - req.queued_at)
-        if self.predictor is not None:
+        if self.predictor is not None and not drop_reason:
             self._guarded("length predictor", req, self.predictor.observe, req, len(req.token_ids), group.complete)
         self.counters[f"samples_lag_{self.policy_version - sample.versions.min_version}"] += 1
-        for tap in self.sample_taps:
+        for tap in self.sample_taps if not drop_reason else ():
             self._guarded("sample tap", req, tap, sample)
         self._deliver(group, sample)
         if group.complete:

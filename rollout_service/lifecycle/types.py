@@ -133,6 +133,7 @@ class Request:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     reprefilled_tokens: int = 0
+    failures: int = 0  # engine failures in a row without a new token
     # The prefix-cache partition its context's KV lives in (the policy
     # version that computed it): the engine request's `cache_salt`.
     salt_version: int = 0
