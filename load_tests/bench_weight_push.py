@@ -13,7 +13,7 @@ algorithm and chunk size side by side, plus the same-host file path.
 
     python -m load_tests.bench_weight_push [--quick] [--report DIR]
         [--no-matrix] [--matrix-gib 1] [--chunks-mb 1,4,8,16] [--repeats 2]
-        [--checksums none,xxh3,sha256]
+        [--checksums none,xxh3,sha256] [--digests trailer|header|both]
 """
 from __future__ import annotations
 
@@ -118,7 +118,7 @@ def _gib_state_dict(gib: float) -> dict[str, np.ndarray]:
 
 
 async def _matrix(gib: float, chunk_mbs: list[float], repeats: int,
-                  algos: tuple = (False, "xxh3", "sha256")) -> list[dict]:
+                  algos: tuple = (False, "xxh3", "sha256"), digests: tuple = ("trailer",)) -> list[dict]:
     sd = _gib_state_dict(gib)
     nbytes = sum(a.nbytes for a in sd.values())
     ctx = mp.get_context("spawn")
@@ -140,16 +140,18 @@ async def _matrix(gib: float, chunk_mbs: list[float], repeats: int,
             await client.push_weights({"warmup": np.ones(1024, np.float32)}, version=(version := version + 1))
             for checksums in algos:
                 for chunk_mb in chunk_mbs:
-                    times, cpu = [], []
-                    for _ in range(repeats):
-                        c0, s0 = time.process_time(), await server_cpu()
-                        t = time.perf_counter()
-                        reply = await client.push_weights(sd, version=(version := version + 1), chunk_mb=chunk_mb,
-                                                          checksums=checksums)
-                        times.append(time.perf_counter() - t)
-                        cpu.append((time.process_time() - c0, await server_cpu() - s0))
-                        assert reply.applied_version == version
-                    rows.append(_row("grpc", checksums or "none", chunk_mb, nbytes, times, cpu))
+                    for where in digests if checksums else ("-",):
+                        times, cpu = [], []
+                        for _ in range(repeats):
+                            c0, s0 = time.process_time(), await server_cpu()
+                            t = time.perf_counter()
+                            reply = await client.push_weights(sd, version=(version := version + 1),
+                                                              chunk_mb=chunk_mb, checksums=checksums,
+                                                              checksum_trailer=where == "trailer")
+                            times.append(time.perf_counter() - t)
+                            cpu.append((time.process_time() - c0, await server_cpu() - s0))
+                            assert reply.applied_version == version
+                        rows.append(_row("grpc", checksums or "none", chunk_mb, nbytes, times, cpu, where))
             directory = "/dev/shm" if os.path.isdir("/dev/shm") else None
             times, cpu = [], []
             for _ in range(repeats):
@@ -172,12 +174,12 @@ async def _matrix(gib: float, chunk_mbs: list[float], repeats: int,
 
 
 def _row(path: str, checksums: str, chunk_mb: float, nbytes: int, times: list[float],
-         cpu: list[tuple[float, float]]) -> dict:
+         cpu: list[tuple[float, float]], digests: str = "-") -> dict:
     """Wall-clock figures, and CPU seconds per GB on each side (every
     thread of the process; less sensitive to other load on the host)."""
     best = min(times)
     gb = nbytes / 1e9
-    return {"path": path, "checksums": checksums, "chunk_mb": chunk_mb, "bytes": nbytes, "engines": 2,
+    return {"path": path, "checksums": checksums, "digests": digests, "chunk_mb": chunk_mb, "bytes": nbytes, "engines": 2,
             "best_s": round(best, 3), "mean_s": round(statistics.fmean(times), 3),
             "best_gb_per_s": round(gb / best, 2), "mean_gb_per_s": round(gb / statistics.fmean(times), 2),
             "client_cpu_s_per_gb": round(min(c for c, _ in cpu) / gb, 2),
@@ -194,6 +196,9 @@ def main() -> None:
     p.add_argument("--chunks-mb", default="1,4,8,16", help="chunk sizes of the matrix, MiB")
     p.add_argument("--repeats", type=int, default=2, help="pushes per matrix cell (best and mean reported)")
     p.add_argument("--checksums", default="none,xxh3,sha256", help="checksum choices of the matrix")
+    p.add_argument("--digests", default="trailer",
+                   help="where the digests go: trailer (after the data, hashed while streaming; the default), "
+                        "header (hashed before streaming, as clients before the trailer), or both")
     args = p.parse_args()
     sizes = [10_000_000] if args.quick else [10_000_000, 100_000_000]
     rows = []
@@ -211,15 +216,16 @@ def main() -> None:
     chunk_mbs = [float(c) for c in args.chunks_mb.split(",")]
     load_before = os.getloadavg()
     algos = tuple(False if c == "none" else c for c in args.checksums.split(","))
-    matrix = asyncio.run(_matrix(args.matrix_gib, chunk_mbs, args.repeats, algos))
+    digests = ("header", "trailer") if args.digests == "both" else tuple(args.digests.split(","))
+    matrix = asyncio.run(_matrix(args.matrix_gib, chunk_mbs, args.repeats, algos, digests))
     load_after = os.getloadavg()
     print(f"\n{args.matrix_gib:g} GiB float32 to 2 sim engines, service in its own process, end to end "
           f"(best / mean of {args.repeats}); load average {load_before[0]:.2f} before, {load_after[0]:.2f} after")
-    print(f"{'path':>6}{'checksums':>11}{'chunk MiB':>11}{'best s':>9}{'GB/s':>7}{'mean s':>9}{'GB/s':>7}"
+    print(f"{'path':>6}{'checksums':>11}{'digests':>9}{'chunk MiB':>11}{'best s':>9}{'GB/s':>7}{'mean s':>9}{'GB/s':>7}"
           f"{'client CPU s/GB':>17}{'server CPU s/GB':>17}")
     for r in matrix:
         chunk = f"{r['chunk_mb']:g}" if r["path"] == "grpc" else "-"
-        print(f"{r['path']:>6}{r['checksums']:>11}{chunk:>11}{r['best_s']:>9.3f}{r['best_gb_per_s']:>7.2f}"
+        print(f"{r['path']:>6}{r['checksums']:>11}{r['digests']:>9}{chunk:>11}{r['best_s']:>9.3f}{r['best_gb_per_s']:>7.2f}"
               f"{r['mean_s']:>9.3f}{r['mean_gb_per_s']:>7.2f}{r['client_cpu_s_per_gb']:>17.2f}"
               f"{r['server_cpu_s_per_gb']:>17.2f}")
     if args.report:

@@ -114,12 +114,14 @@ def _staged_matches(service, sd) -> None:
         offset += s.byte_length
 
 
+@pytest.mark.parametrize("trailer", [True, False], ids=["digests-in-trailer", "digests-in-header"])
 @pytest.mark.parametrize("checksums", ["xxh3", "xxh3_64", "sha256", False, True])
-async def test_push_with_each_checksum_choice_applies(service, rclient, checksums):
+async def test_push_with_each_checksum_choice_applies(service, rclient, checksums, trailer):
     before = (await rclient.status()).policy_version
     sd = _state_dict(before)
     # 1000-byte chunks: chunks end inside tensors and span several.
-    reply = await rclient.push_weights(sd, version=before + 1, checksums=checksums, chunk_mb=1000 / 2**20)
+    reply = await rclient.push_weights(sd, version=before + 1, checksums=checksums, chunk_mb=1000 / 2**20,
+                                       checksum_trailer=trailer)
     assert reply.applied_version == before + 1
     assert reply.bytes_received == sum(a.nbytes for a in sd.values())
     _staged_matches(service, sd)
@@ -155,6 +157,64 @@ async def test_corrupted_chunk_is_invalid_argument_naming_the_tensor(service, rc
     await _still_serves(rclient, before)
 
 
+def _trailer_push(sd, version: int, algo: str, digests=None, flip_chunk: int | None = None):
+    """The messages of a push whose digests follow the data: `digests`
+    replaces the true ones; chunk `flip_chunk` has one byte flipped."""
+    tensors = wire.flatten(sd)
+    header = pb.WeightsHeader(version=version, tensors=wire.manifest(tensors, False), checksum_algo=algo)
+    msgs = list(wire.chunks(header, tensors, 4096))
+    if flip_chunk is not None:
+        data = bytearray(b"".join(msgs[flip_chunk]))
+        data[len(data) // 2] ^= 0x01
+        msgs[flip_chunk] = [data]
+    true = wire.digests(tensors, algo)
+    return msgs, pb.WeightsChunk(trailer=pb.WeightsTrailer(digests=true if digests is None else digests(true)))
+
+
+@pytest.mark.parametrize("algo", ["xxh3_128", "xxh3_64", "sha256"])
+async def test_trailer_digest_mismatch_is_invalid_argument_naming_the_tensor(service, rclient, algo):
+    before = (await rclient.status()).policy_version
+    sd = _state_dict()  # "a" is 8448 bytes: chunks 1-3 (4096 bytes each) hold a, empty, b, c
+    msgs, trailer = _trailer_push(sd, before + 1, algo, flip_chunk=3)  # bytes 8192.. : "c"
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await rclient._push(iter(msgs + [trailer]))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    assert "trailer.digests[3]" in err.value.details() and "'c'" in err.value.details(), err.value.details()
+    # Intact bytes, a wrong digest for "b".
+    msgs, trailer = _trailer_push(sd, before + 1, algo, digests=lambda d: d[:2] + ["0" * len(d[2])] + d[3:])
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await rclient._push(iter(msgs + [trailer]))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    assert "trailer.digests[2]" in err.value.details() and "'b'" in err.value.details(), err.value.details()
+    await _still_serves(rclient, before)
+
+
+async def test_a_misplaced_missing_or_short_trailer_is_invalid_argument(service, rclient):
+    before = (await rclient.status()).policy_version
+    msgs, trailer = _trailer_push(_state_dict(), before + 1, "xxh3_128")
+    cases = {
+        "missing": (msgs, "without the WeightsTrailer"),
+        "before the end of the data": (msgs[:2] + [trailer] + msgs[2:], "follows all the data"),
+        "followed by data": (msgs + [trailer, [memoryview(b"x")]], "last message"),
+        "twice": (msgs + [trailer, trailer], "last message"),
+        "short": (msgs + [pb.WeightsChunk(trailer=pb.WeightsTrailer(digests=trailer.trailer.digests[:3]))],
+                  "3 digests for the manifest's 4 tensors"),
+        "bad hex": (msgs + [pb.WeightsChunk(trailer=pb.WeightsTrailer(digests=["XY"] * 4))], "trailer.digests[0]"),
+    }
+    for case, (stream, message) in cases.items():
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await rclient._push(iter(stream))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (case, err.value.details())
+        assert "trailer" in err.value.details() and message in err.value.details(), (case, err.value.details())
+    # Digests in the header and a trailer as well: the trailer is refused.
+    tensors = wire.flatten(_state_dict())
+    header = pb.WeightsHeader(version=before + 1, tensors=wire.manifest(tensors, "xxh3"), checksum_algo="xxh3_128")
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await rclient._push(iter(list(wire.chunks(header, tensors, 4096)) + [trailer]))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "trailer" in err.value.details()
+    await _still_serves(rclient, before)
+
+
 async def test_old_style_header_with_sha256_only_still_applies(service, rclient):
     """What clients before checksum_algo send: protobuf-serialized chunks,
     TensorSpec.sha256 and no algorithm."""
@@ -179,6 +239,30 @@ async def test_old_style_header_with_sha256_only_still_applies(service, rclient)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "header.tensors[0].sha256" in err.value.details() and "'w'" in err.value.details()
     await _still_serves(rclient, before + 1)
+
+
+@pytest.mark.parametrize("algo", ["xxh3_64", "xxh3_128"])
+async def test_digests_as_python_xxhash_computes_them_verify(service, rclient, algo):
+    """Senders hash with any xxHash binding (here python-xxhash), in the header or the trailer."""
+    import xxhash
+
+    before = (await rclient.status()).policy_version
+    a = np.random.default_rng(5).random(5000, dtype=np.float32)
+    digest = getattr(xxhash, algo)(a.tobytes()).hexdigest()
+    spec = pb.TensorSpec(name="w", dtype="float32", shape=[5000], byte_length=a.nbytes)
+    for version, in_header in ((before + 1, True), (before + 2, False)):
+        if in_header:
+            spec.digest = digest
+        else:
+            spec.ClearField("digest")
+        header = pb.WeightsHeader(version=version, tensors=[spec], checksum_algo=algo)
+        msgs = [pb.WeightsChunk(header=header), pb.WeightsChunk(data=a.tobytes())]
+        if not in_header:
+            msgs.append(pb.WeightsChunk(trailer=pb.WeightsTrailer(digests=[digest])))
+        reply = await rclient._stub.PushWeights(iter(msgs))
+        assert reply.applied_version == version
+    _staged_matches(service, {"w": a})
+    await _still_serves(rclient, before + 2)
 
 
 async def test_unknown_checksum_algo_or_bad_digest_is_invalid_argument_naming_the_field(service, rclient):
