@@ -346,3 +346,99 @@ async def test_a_refused_or_abandoned_push_leaves_no_staging_file(service, rclie
         await asyncio.sleep(0.05)
     assert paths and not any(os.path.exists(p) for p in paths), paths
     await _still_serves(rclient, before)
+
+
+# -- pushes that meet, and a trainer that stalls ----------------------------------------
+
+
+async def test_pushes_that_meet_are_applied_one_at_a_time_or_refused_naming_the_version(service, rclient, monkeypatch):
+    loop = asyncio.get_running_loop()
+    applies: dict[str, list[tuple[int, float, float]]] = {}  # engine -> (version, start, end)
+    for engine in service.core.engines.values():
+        async def slow(version, weights, apply=engine.update_weights, eid=engine.engine_id):
+            t0 = loop.time()
+            await asyncio.sleep(0.3)  # an apply that takes a while
+            await apply(version, weights)
+            applies.setdefault(eid, []).append((version, t0, loop.time()))
+
+        monkeypatch.setattr(engine, "update_weights", slow)
+
+    async def push(version: int, delay_s: float = 0.0):
+        await asyncio.sleep(delay_s)
+        return await rclient.push_weights({"w": np.full(64, version, np.float32)}, version=version)
+
+    v = (await rclient.status()).policy_version
+    # A newer push arriving while one applies waits for it, then applies.
+    first, second = await asyncio.gather(push(v + 1), push(v + 2, delay_s=0.1))
+    assert (first.applied_version, second.applied_version) == (v + 1, v + 2)
+    for eid, runs in applies.items():
+        assert [r[0] for r in runs] == [v + 1, v + 2], eid
+        assert runs[0][2] <= runs[1][1], (eid, runs)  # one at a time
+    # An older one (or the same version twice) is refused once the other has applied.
+    for versions in ((v + 4, v + 3), (v + 5, v + 5)):
+        results = await asyncio.gather(push(versions[0]), push(versions[1], delay_s=0.1), return_exceptions=True)
+        assert results[0].applied_version == versions[0], results
+        assert isinstance(results[1], grpc.aio.AioRpcError), results
+        assert results[1].code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"greater than the serving version {versions[0]}" in results[1].details(), results[1].details()
+    await _still_serves(rclient, v + 5)
+
+
+async def test_a_trainer_that_stalls_before_the_trailer_leaves_the_previous_version(service, rclient, monkeypatch):
+    monkeypatch.setattr(service._servicer.weights, "push_idle_timeout_s", 0.5)
+    before = (await rclient.status()).policy_version
+    msgs, _ = _trailer_push(_state_dict(), before + 1, "xxh3_128")
+
+    async def stalled():
+        for m in msgs:  # all the data, then nothing
+            yield m
+        await asyncio.sleep(30)
+
+    t0 = asyncio.get_running_loop().time()
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await rclient._push(stalled())
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err.value.details()
+    assert asyncio.get_running_loop().time() - t0 < 10
+    await _still_serves(rclient, before)
+
+
+async def wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
+async def _versions_after(client: RolloutClient, service, version: int) -> None:
+    """Every engine serves `version`, and new samples on each carry it."""
+    await wait_until(lambda: all(e.load().state == "ready" and e.load().policy_version == version
+                                 for e in service.core.engines.values()), 30, f"every engine on version {version}")
+    gid = unique("one-version")
+    await client.submit([PromptGroup(prompt_token_ids=[1, 4], num_samples=8, max_tokens=16, group_id=gid)])
+    samples = await collect(client, gid, 8)
+    assert all(s.min_version == s.max_version == version for s in samples), \
+        [(s.engines, s.min_version, s.max_version) for s in samples]
+
+
+async def test_a_push_that_fails_on_one_engine_changes_no_engine_s_version(service, rclient, monkeypatch):
+    """The engines that applied it go back to the serving weights."""
+    before = (await rclient.status()).policy_version
+    if before == 0:
+        before = (await rclient.push_weights({"w": np.ones(8, np.float32)}, version=1)).applied_version
+    _break_updates(monkeypatch, service.core.engines["sim-1"], ConnectionResetError(104, "Connection reset by peer"))
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await rclient.push_weights({"w": np.ones(8, np.float32)}, version=before + 1)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "sim-1" in err.value.details(), err.value.details()
+    assert f"still serving version {before}" in err.value.details()
+    await _versions_after(rclient, service, before)
+
+
+async def test_an_engine_that_applied_a_failed_first_push_restarts_on_the_model_s_weights(monkeypatch):
+    """Version 0 (the model's own weights) is not staged: that engine restarts."""
+    async with running(sim_config(num_engines=2)) as fresh, connect(fresh, "first-push") as client:
+        _break_updates(monkeypatch, fresh.core.engines["sim-1"], ConnectionResetError(104, "Connection reset by peer"))
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await client.push_weights({"w": np.ones(8, np.float32)}, version=1)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
+        await _versions_after(client, fresh, 0)
+        assert (await client.status()).counters["engine_restarts"] >= 1

@@ -10,6 +10,7 @@ from a checkpoint. What it does to requests it asks of the core through
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import Counter
 from typing import Callable, Mapping, Protocol
 
@@ -19,6 +20,8 @@ from rollout_service.engines.base import Engine
 from rollout_service.engines.weights import StagedWeights
 from rollout_service.lifecycle.types import CoreError, Group, Request
 from rollout_service.partial.carry_over import CarryOverConfig, CarryPlan, plan_carry_over
+
+log = logging.getLogger(__name__)
 
 
 class WorkOps(Protocol):
@@ -89,7 +92,13 @@ class WeightSync:
             # does not block training: its restart applies these weights.
             live = self.fleet.live()
             try:
-                await asyncio.gather(*(e.update_weights(version, weights) for e in live))
+                results = await asyncio.gather(*(e.update_weights(version, weights) for e in live),
+                                               return_exceptions=True)
+                failed = [r for r in results if isinstance(r, BaseException)]
+                if failed:
+                    # One version serves everywhere: engines that did apply go back.
+                    await self._roll_back([e for e, r in zip(live, results) if not isinstance(r, BaseException)])
+                    raise failed[0]
             except BaseException:
                 weights.cleanup()
                 work.requeue_front([r for r in plan.preempt if r.engine_id is None])
@@ -102,6 +111,25 @@ class WeightSync:
             self._histogram.observe(self._monotonic() - t0)
             await self._apply_carry(plan, unfinished, work)
             return version
+
+    async def _roll_back(self, engines: list[Engine]) -> None:
+        """Put engines that applied a push that failed on others back on the
+        serving weights (a failed push changes no engine's version). The
+        model's own weights (version 0) are not staged: such an engine, or
+        one that fails to go back, is closed, and the fleet restarts it on
+        the serving weights."""
+        if not engines:
+            return
+        if self.last is not None:
+            results = await asyncio.gather(*(e.update_weights(self.version, self.last) for e in engines),
+                                           return_exceptions=True)
+            stuck = [e for e, r in zip(engines, results) if isinstance(r, BaseException)]
+        else:
+            stuck = list(engines)
+        for engine in stuck:
+            log.warning("engine %s applied a push that failed elsewhere; restarting it on version %d",
+                        engine.engine_id, self.version)
+            await engine.close()
 
     async def _apply_carry(self, plan: CarryPlan, unfinished: list[Request], work: WorkOps) -> None:
         restart = {r.request_id for r in plan.restart}
