@@ -2,9 +2,10 @@
 
 A push is a manifest (name, dtype, shape, byte length, checksums per
 tensor: a sha256 and/or a digest under the push's algorithm, see
-`CHECKSUM_ALGOS`) followed by the tensors' bytes in manifest order. Nothing is
-applied before every length and checksum has verified; engines turn
-`WeightTensor`s into whatever their framework needs.
+`CHECKSUM_ALGOS`) followed by the tensors' bytes in manifest order (and, when
+the manifest names an algorithm but carries no checksum, the digests after the
+bytes). Nothing is applied before every length and checksum has verified;
+engines turn `WeightTensor`s into whatever their framework needs.
 
 `StagingWriter` receives a streamed push straight into its staging file (a
 safetensors file in /dev/shm): each chunk is hashed as it arrives and written
