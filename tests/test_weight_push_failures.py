@@ -442,3 +442,16 @@ async def test_an_engine_that_applied_a_failed_first_push_restarts_on_the_model_
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
         await _versions_after(client, fresh, 0)
         assert (await client.status()).counters["engine_restarts"] >= 1
+
+
+async def test_a_big_push_refused_at_its_header_gets_the_refusal_s_status(service, rclient):
+    """The client streams the data only once the service has accepted the
+    header: the refusal is not lost to a write failing on an ended call."""
+    before = (await rclient.status()).policy_version
+    sd = {"w": np.zeros(16 << 20, np.float32)}  # 64 MiB
+    for _ in range(3):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await rclient.push_weights(sd, version=before)  # not newer than the serving one
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+        assert f"greater than the serving version {before}" in err.value.details()
+    await _still_serves(rclient, before)

@@ -274,12 +274,20 @@ class RolloutClient:
         hashing = asyncio.ensure_future(asyncio.to_thread(_weights.digests, tensors, algo, stop))
 
         async def messages():
-            for chunk in _weights.chunks(header, tensors, chunk_bytes):
+            it = _weights.chunks(header, tensors, chunk_bytes)
+            yield next(it)
+            # The service accepts the header (in its initial metadata) before
+            # the data is sent: a refusal then comes back as its status, not
+            # as a write failing on a call the service has already ended.
+            if ("rollout-push-accepted", "1") not in tuple(await call.initial_metadata() or ()):
+                return
+            for chunk in it:
                 yield chunk
             yield pb.WeightsChunk(trailer=pb.WeightsTrailer(digests=await hashing))
 
+        call = self._push(messages(), metadata=self._md)
         try:
-            return PushResult.from_pb(await self._push(messages(), metadata=self._md), target)
+            return PushResult.from_pb(await call, target)
         finally:
             stop.set()  # the push failed early: stop hashing
             with contextlib.suppress(Exception):

@@ -103,7 +103,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         """Receive, verify and stage a push, then apply it (api/weights_receiver.py)."""
         t0 = time.perf_counter()
         try:
-            weights = await self.weights.receive(request_iterator)
+            weights = await self.weights.receive(
+                request_iterator, accepted=lambda: context.send_initial_metadata(PUSH_ACCEPTED))
             version = await self.weights.apply(weights)
         except PushStalled as exc:
             log.warning("weight push abandoned: %s", exc)
@@ -122,6 +123,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
 
 
 SERVICE = "rollout.v1.RolloutService"
+# PushWeights' initial metadata once a streamed push's header is accepted.
+PUSH_ACCEPTED = (("rollout-push-accepted", "1"),)
 
 
 class _Handlers:

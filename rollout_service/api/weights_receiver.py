@@ -23,7 +23,7 @@ import json
 import struct
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, AsyncIterable
+from typing import TYPE_CHECKING, AsyncIterable, Awaitable, Callable
 
 from rollout_proto import rollout_pb2 as pb
 from rollout_service.api import convert
@@ -113,11 +113,16 @@ class WeightsReceiver:
         self.spec_runtime = spec_runtime
         self.last_draft: StagedWeights | None = None  # the serving draft push
 
-    async def receive(self, messages: AsyncIterable[pb.WeightsChunk]) -> ReceivedWeights:
+    async def receive(self, messages: AsyncIterable[pb.WeightsChunk],
+                      accepted: "Callable[[], Awaitable[None]] | None" = None) -> ReceivedWeights:
         """Read a push: a `WeightsHeader` first, then either nothing (the
         header names a same-host safetensors `file_path`) or the tensors'
         bytes as data messages. Checks the manifest against the target model
-        before any byte is buffered, then every tensor's checksum."""
+        before any byte is buffered, then every tensor's checksum.
+        `accepted` is awaited once the header of a streamed push has passed
+        (the RPC sends its initial metadata: a sender may wait for it before
+        streaming, so that a refusal reaches it as the refusal's status, not
+        as a failed write)."""
         first = await anext(aiter(messages), None)
         if first is None or isinstance(first, memoryview) or first.WhichOneof("kind") != "header":
             raise FieldError("header", "the first message of PushWeights must be a WeightsHeader")
@@ -141,6 +146,8 @@ class WeightsReceiver:
         check(header.version, {s.name: (s.dtype, s.shape) for s in specs})
         # A checksum algorithm and no checksum in the manifest: the digests follow the data.
         trailer_algo = header.checksum_algo if header.checksum_algo and not any(s.checks() for s in specs) else ""
+        if accepted is not None:
+            await accepted()
         staged = await _receive_into_file(_with_idle_timeout(messages, self.push_idle_timeout_s), specs, trailer_algo)
         return ReceivedWeights(target, header.version, staged, total)
 
