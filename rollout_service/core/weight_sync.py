@@ -34,6 +34,14 @@ class WorkOps(Protocol):
     async def give_up(self, group: Group, reason: str) -> None: ...
 
 
+def _release(box: list[StagedWeights]) -> None:
+    """Clean up the one StagedWeights in `box`, and drop it here (in this
+    thread) with its file mapping."""
+    staged = box.pop()
+    staged.cleanup()
+    del staged
+
+
 class WeightSync:
     def __init__(self, fleet: Fleet, carry_over: CarryOverConfig, counters: Counter[str],
                  histogram: Histogram, monotonic: Callable[[], float]) -> None:
@@ -103,9 +111,11 @@ class WeightSync:
                 weights.cleanup()
                 work.requeue_front([r for r in plan.preempt if r.engine_id is None])
                 raise
-            previous, self.last = self.last, weights
-            if previous is not None:
-                previous.cleanup()
+            previous, self.last = [self.last], weights
+            if previous[0] is not None:
+                # Off the event loop: freeing a GB-size file's pages (its
+                # unlink, the mapping's munmap) takes ~0.2 s; generation goes on.
+                await asyncio.to_thread(_release, previous)
             self.version = version
             self._counters["weight_updates"] += 1
             self._histogram.observe(self._monotonic() - t0)
