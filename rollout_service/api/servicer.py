@@ -13,7 +13,7 @@ from rollout_proto import rollout_pb2_grpc as pb_grpc
 from rollout_service.api import convert, validation
 from rollout_service.api.validation import FieldError, ModelLimits, TooLarge
 from rollout_service.core.rollout import CoreError, RolloutCore
-from rollout_service.api.weights_receiver import ApplyFailed, ApplyTimedOut, PushStalled, WeightsReceiver
+from rollout_service.api.weights_receiver import PUSH_ACCEPTED, ApplyFailed, ApplyTimedOut, PushStalled, WeightsReceiver
 from rollout_service.engines.base import WeightsRejected
 from rollout_service.engines.weights import ManifestError
 
@@ -123,8 +123,6 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
 
 
 SERVICE = "rollout.v1.RolloutService"
-# PushWeights' initial metadata once a streamed push's header is accepted.
-PUSH_ACCEPTED = (("rollout-push-accepted", "1"),)
 
 
 class _Handlers:

@@ -48,6 +48,8 @@ TARGETS = ("policy", "draft")
 # Chunks handed to the writer thread and not yet written: bounds the memory a
 # push holds beyond its staging file (gRPC flow control holds back the rest).
 MAX_CHUNKS_IN_FLIGHT = 4
+# PushWeights' initial metadata once a streamed push's header is accepted.
+PUSH_ACCEPTED = (("rollout-push-accepted", "1"),)
 
 
 def parse_chunk(raw: bytes) -> "pb.WeightsChunk | memoryview":
