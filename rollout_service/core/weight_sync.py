@@ -82,6 +82,25 @@ class WeightSync:
             if self.last is not None:
                 await engine.update_weights(self.version, self.last)
 
+    async def _roll_back(self, engines: list[Engine]) -> None:
+        """Put engines that applied a push that failed on others back on the
+        serving weights (a failed push changes no engine's version). The
+        model's own weights (version 0) are not staged: such an engine, or
+        one that fails to go back, is closed, and the fleet restarts it on
+        the serving weights."""
+        if not engines:
+            return
+        if self.last is not None:
+            results = await asyncio.gather(*(e.update_weights(self.version, self.last) for e in engines),
+                                           return_exceptions=True)
+            stuck = [e for e, r in zip(engines, results) if isinstance(r, BaseException)]
+        else:
+            stuck = list(engines)
+        for engine in stuck:
+            log.warning("engine %s applied a push that failed elsewhere; restarting it on version %d",
+                        engine.engine_id, self.version)
+            await engine.close()
+
     async def update(self, version: int, weights: StagedWeights, work: WorkOps) -> int:
         """Apply verified weights on every live engine at a safe point, then
         bump the policy version; tokens sampled afterwards carry the new
@@ -121,25 +140,6 @@ class WeightSync:
             self._histogram.observe(self._monotonic() - t0)
             await self._apply_carry(plan, unfinished, work)
             return version
-
-    async def _roll_back(self, engines: list[Engine]) -> None:
-        """Put engines that applied a push that failed on others back on the
-        serving weights (a failed push changes no engine's version). The
-        model's own weights (version 0) are not staged: such an engine, or
-        one that fails to go back, is closed, and the fleet restarts it on
-        the serving weights."""
-        if not engines:
-            return
-        if self.last is not None:
-            results = await asyncio.gather(*(e.update_weights(self.version, self.last) for e in engines),
-                                           return_exceptions=True)
-            stuck = [e for e, r in zip(engines, results) if isinstance(r, BaseException)]
-        else:
-            stuck = list(engines)
-        for engine in stuck:
-            log.warning("engine %s applied a push that failed elsewhere; restarting it on version %d",
-                        engine.engine_id, self.version)
-            await engine.close()
 
     async def _apply_carry(self, plan: CarryPlan, unfinished: list[Request], work: WorkOps) -> None:
         restart = {r.request_id for r in plan.restart}
