@@ -255,9 +255,11 @@ class RolloutClient:
                 whatever they are).
             checksum_trailer: hash while streaming, and send the digests
                 after the data (the default; services from the release
-                that added WeightsTrailer on). False: hash everything
-                first and send the digests in the header, as every
-                service version accepts.
+                that added WeightsTrailer on: an older one never accepts
+                the header, and the push ends with DEADLINE_EXCEEDED after
+                its idle timeout). False: hash everything first and send
+                the digests in the header, as every service version
+                accepts.
         """
         tensors = await asyncio.to_thread(_weights.flatten, state_dict)
         algo = _weights.checksum_algo(checksums)
