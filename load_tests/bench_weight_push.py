@@ -9,14 +9,14 @@ client and service in one process. The second (`--matrix`, on by default)
 pushes a 1 GiB float32 state dict to 2 simulated engines in a service of its
 own process (as a trainer and the service run), end to end (the client's
 call until the version is live on both engines), for each checksum
-algorithm and chunk size side by side, plus the same-host file path. A
-request generates throughout on those engines: "stall ms" is the longest gap
-between its token deltas across a cell's pushes ("token gap ms": the usual
-gap), i.e. how long generation waited on the push.
+algorithm and chunk size side by side, plus the same-host file path. With
+`--stall`, a request generates throughout on those engines: "stall ms" is the
+longest gap between its token deltas across a cell's pushes ("token gap ms":
+the usual gap), i.e. how long generation waited on the push.
 
     python -m load_tests.bench_weight_push [--quick] [--report DIR]
         [--no-matrix] [--matrix-gib 1] [--chunks-mb 1,4,8,16] [--repeats 2]
-        [--checksums none,xxh3,sha256] [--digests trailer|header|both]
+        [--checksums none,xxh3,sha256] [--digests trailer|header|both] [--stall]
 """
 from __future__ import annotations
 
@@ -113,7 +113,7 @@ def _gaps(stamps: list[float], windows: list[tuple[float, float]]) -> tuple[floa
     return (statistics.median(outside) if outside else 0.0), (max(inside) if inside else 0.0)
 
 
-def _serve(conn, max_message_mb: int) -> None:
+def _serve(conn, max_message_mb: int, stall: bool = False) -> None:
     """The service, in a process of its own: sends its port, runs until told to stop."""
 
     async def run() -> None:
@@ -124,7 +124,7 @@ def _serve(conn, max_message_mb: int) -> None:
         service = RolloutService(cfg)
         await service.start()
         stamps: list[float] = []
-        watcher = asyncio.ensure_future(_watch_tokens(service, stamps))
+        watcher = asyncio.ensure_future(_watch_tokens(service, stamps)) if stall else None
         conn.send(service.grpc_port)
         # "cpu": this process's CPU seconds so far (every thread); ("gaps",
         # windows): token-delta gaps (see _gaps); "stop".
@@ -133,7 +133,8 @@ def _serve(conn, max_message_mb: int) -> None:
                 conn.send(time.process_time())
             else:
                 conn.send(_gaps(stamps, cmd[1]))
-        watcher.cancel()
+        if watcher is not None:
+            watcher.cancel()
         await service.stop()
 
     asyncio.run(run())
@@ -152,12 +153,13 @@ def _gib_state_dict(gib: float) -> dict[str, np.ndarray]:
 
 
 async def _matrix(gib: float, chunk_mbs: list[float], repeats: int,
-                  algos: tuple = (False, "xxh3", "sha256"), digests: tuple = ("trailer",)) -> list[dict]:
+                  algos: tuple = (False, "xxh3", "sha256"), digests: tuple = ("trailer",),
+                  stall: bool = False) -> list[dict]:
     sd = _gib_state_dict(gib)
     nbytes = sum(a.nbytes for a in sd.values())
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_serve, args=(child, 64), daemon=True)
+    proc = ctx.Process(target=_serve, args=(child, 64, stall), daemon=True)
     proc.start()
     rows: list[dict] = []
     loop = asyncio.get_running_loop()
@@ -241,6 +243,9 @@ def main() -> None:
     p.add_argument("--chunks-mb", default="1,4,8,16", help="chunk sizes of the matrix, MiB")
     p.add_argument("--repeats", type=int, default=2, help="pushes per matrix cell (best and mean reported)")
     p.add_argument("--checksums", default="none,xxh3,sha256", help="checksum choices of the matrix")
+    p.add_argument("--stall", action="store_true",
+                   help="generate on the engines throughout and report the longest gap in the token deltas across "
+                        "each cell's pushes (costs the service some CPU: compare throughput without it)")
     p.add_argument("--digests", default="trailer",
                    help="where the digests go: trailer (after the data, hashed while streaming; the default), "
                         "header (hashed before streaming, as clients before the trailer), or both")
@@ -262,7 +267,7 @@ def main() -> None:
     load_before = os.getloadavg()
     algos = tuple(False if c == "none" else c for c in args.checksums.split(","))
     digests = ("header", "trailer") if args.digests == "both" else tuple(args.digests.split(","))
-    matrix = asyncio.run(_matrix(args.matrix_gib, chunk_mbs, args.repeats, algos, digests))
+    matrix = asyncio.run(_matrix(args.matrix_gib, chunk_mbs, args.repeats, algos, digests, args.stall))
     load_after = os.getloadavg()
     print(f"\n{args.matrix_gib:g} GiB float32 to 2 sim engines, service in its own process, end to end "
           f"(best / mean of {args.repeats}); load average {load_before[0]:.2f} before, {load_after[0]:.2f} after")
