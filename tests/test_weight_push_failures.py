@@ -353,30 +353,36 @@ async def test_a_refused_or_abandoned_push_leaves_no_staging_file(service, rclie
 
 async def test_pushes_that_meet_are_applied_one_at_a_time_or_refused_naming_the_version(service, rclient, monkeypatch):
     loop = asyncio.get_running_loop()
+    applying = asyncio.Event()  # set when an engine starts applying
     applies: dict[str, list[tuple[int, float, float]]] = {}  # engine -> (version, start, end)
     for engine in service.core.engines.values():
         async def slow(version, weights, apply=engine.update_weights, eid=engine.engine_id):
             t0 = loop.time()
+            applying.set()
             await asyncio.sleep(0.3)  # an apply that takes a while
             await apply(version, weights)
             applies.setdefault(eid, []).append((version, t0, loop.time()))
 
         monkeypatch.setattr(engine, "update_weights", slow)
 
-    async def push(version: int, delay_s: float = 0.0):
-        await asyncio.sleep(delay_s)
+    async def push(version: int, while_applying: bool = False):
+        if while_applying:
+            await applying.wait()
         return await rclient.push_weights({"w": np.full(64, version, np.float32)}, version=version)
 
     v = (await rclient.status()).policy_version
     # A newer push arriving while one applies waits for it, then applies.
-    first, second = await asyncio.gather(push(v + 1), push(v + 2, delay_s=0.1))
+    applying.clear()
+    first, second = await asyncio.gather(push(v + 1), push(v + 2, while_applying=True))
     assert (first.applied_version, second.applied_version) == (v + 1, v + 2)
     for eid, runs in applies.items():
         assert [r[0] for r in runs] == [v + 1, v + 2], eid
         assert runs[0][2] <= runs[1][1], (eid, runs)  # one at a time
     # An older one (or the same version twice) is refused once the other has applied.
     for versions in ((v + 4, v + 3), (v + 5, v + 5)):
-        results = await asyncio.gather(push(versions[0]), push(versions[1], delay_s=0.1), return_exceptions=True)
+        applying.clear()
+        results = await asyncio.gather(push(versions[0]), push(versions[1], while_applying=True),
+                                       return_exceptions=True)
         assert results[0].applied_version == versions[0], results
         assert isinstance(results[1], grpc.aio.AioRpcError), results
         assert results[1].code() == grpc.StatusCode.INVALID_ARGUMENT
