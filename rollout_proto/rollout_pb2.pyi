@@ -223,12 +223,20 @@ class WeightsHeader(_message.Message):
     def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., file_path: _Optional[str] = ..., target: _Optional[str] = ..., checksum_algo: _Optional[str] = ...) -> None: ...
 
 class WeightsChunk(_message.Message):
-    __slots__ = ("header", "data")
+    __slots__ = ("header", "data", "trailer")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    TRAILER_FIELD_NUMBER: _ClassVar[int]
     header: WeightsHeader
     data: bytes
-    def __init__(self, header: _Optional[_Union[WeightsHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    trailer: WeightsTrailer
+    def __init__(self, header: _Optional[_Union[WeightsHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., trailer: _Optional[_Union[WeightsTrailer, _Mapping]] = ...) -> None: ...
+
+class WeightsTrailer(_message.Message):
+    __slots__ = ("digests",)
+    DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    digests: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, digests: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PushWeightsResponse(_message.Message):
     __slots__ = ("applied_version", "bytes_received", "seconds")

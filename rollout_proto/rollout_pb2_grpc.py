@@ -99,8 +99,9 @@ class RolloutServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PushWeights(self, request_iterator, context):
-        """A WeightsHeader message first, then the tensor bytes in manifest order.
-        Applied atomically at a safe point after every checksum has verified.
+        """A WeightsHeader message first, then the tensor bytes in manifest order
+        (then a WeightsTrailer when the digests follow the data). Applied
+        atomically at a safe point after every checksum has verified.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

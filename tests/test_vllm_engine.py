@@ -161,6 +161,35 @@ async def test_corrupt_weight_pushes_leave_the_old_version_serving(vclient):
     assert await _greedy(vclient) == before
 
 
+async def test_a_file_or_stream_that_does_not_fit_the_model_is_refused_naming_the_tensor(vclient, tmp_path):
+    """Name, shape or dtype off: refused before anything is applied, on both paths."""
+    from safetensors.torch import save_file
+
+    before_version = (await vclient.status()).policy_version
+    before = await _greedy(vclient)
+    w = _weights()
+    name = next(n for n, t in w.items() if t.dim() == 2)
+    cases = [
+        ("unknown name", {**{k: v for k, v in w.items() if k != name}, "model.no_such.weight": w[name]},
+         "'model.no_such.weight'"),
+        ("wrong shape", {**w, name: w[name][:-1].contiguous()}, f"{name!r} has shape"),
+        ("int dtype", {**w, name: w[name].to(torch.int32)}, f"{name!r} has dtype int32"),
+    ]
+    for label, sd, words in cases:
+        path = str(tmp_path / f"{label.replace(' ', '_')}.safetensors")
+        save_file(sd, path)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await vclient.push_weights_file(path, version=before_version + 1)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (label, err.value.details())
+        assert words in err.value.details(), (label, err.value.details())
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await vclient.push_weights(sd, version=before_version + 1)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (label, err.value.details())
+        assert words in err.value.details(), (label, err.value.details())
+    assert (await vclient.status()).policy_version == before_version
+    assert await _greedy(vclient) == before
+
+
 async def test_pushed_weights_change_outputs_and_tag_versions(vclient):
     start = (await vclient.status()).policy_version
     w = _weights()

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
+import threading
 import uuid
 from typing import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence, Union
 
@@ -385,7 +387,7 @@ class RolloutClient:
 
     async def push_weights(
         self, state_dict: Mapping[str, object], version: int, chunk_mb: float = 2.0,
-        checksums: bool | str = "xxh3", target: str = "policy",
+        checksums: bool | str = "xxh3", target: str = "policy", checksum_trailer: bool = True,
     ) -> PushResult:
         """Stream a state dict to the service; returns when `version` serves
         on every engine. If an engine fails or times out applying it, the
@@ -406,14 +408,47 @@ class RolloutClient:
             target: "policy", or "draft" for draft-model weights for
                 speculative decoding (versioned separately; lossless
                 whatever they are).
+            checksum_trailer: hash while streaming, and send the digests
+                after the data (the default; services from the release
+                that added WeightsTrailer on: an older one never accepts
+                the header, and the push ends with DEADLINE_EXCEEDED after
+                its idle timeout). False: hash everything first and send
+                the digests in the header, as every service version
+                accepts.
         """
         tensors = await asyncio.to_thread(_weights.flatten, state_dict)
         algo = _weights.checksum_algo(checksums)
-        specs = await asyncio.to_thread(_weights.manifest, tensors, checksums)
-        header = pb.WeightsHeader(version=version, tensors=specs, target=target,
-                                  checksum_algo="" if algo == "sha256" else algo)
-        chunks = _weights.chunks(header, tensors, max(1, int(chunk_mb * 1024 * 1024)))
-        return PushResult.from_pb(await self._push(chunks, metadata=self._md), target)
+        chunk_bytes = max(1, int(chunk_mb * 1024 * 1024))
+        if not (algo and checksum_trailer):
+            specs = await asyncio.to_thread(_weights.manifest, tensors, checksums)
+            header = pb.WeightsHeader(version=version, tensors=specs, target=target,
+                                      checksum_algo="" if algo == "sha256" else algo)
+            chunks = _weights.chunks(header, tensors, chunk_bytes)
+            return PushResult.from_pb(await self._push(chunks, metadata=self._md), target)
+        header = pb.WeightsHeader(version=version, tensors=_weights.manifest(tensors, False), target=target,
+                                  checksum_algo=algo)
+        stop = threading.Event()
+        hashing = asyncio.ensure_future(asyncio.to_thread(_weights.digests, tensors, algo, stop))
+
+        async def messages():
+            it = _weights.chunks(header, tensors, chunk_bytes)
+            yield next(it)
+            # The service accepts the header (in its initial metadata) before
+            # the data is sent: a refusal then comes back as its status, not
+            # as a write failing on a call the service has already ended.
+            if ("rollout-push-accepted", "1") not in tuple(await call.initial_metadata() or ()):
+                return
+            for chunk in it:
+                yield chunk
+            yield pb.WeightsChunk(trailer=pb.WeightsTrailer(digests=await hashing))
+
+        call = self._push(messages(), metadata=self._md)
+        try:
+            return PushResult.from_pb(await call, target)
+        finally:
+            stop.set()  # the push failed early: stop hashing
+            with contextlib.suppress(Exception):
+                await hashing
 
     async def push_weights_file(self, path: str, version: int, target: str = "policy") -> PushResult:
         """Same-host fast path: the service reads a safetensors file itself;

@@ -13,7 +13,7 @@ from rollout_proto import rollout_pb2_grpc as pb_grpc
 from rollout_service.api import convert, validation
 from rollout_service.api.validation import FieldError, ModelLimits, TooLarge
 from rollout_service.core.rollout import CoreError, RolloutCore
-from rollout_service.api.weights_receiver import ApplyFailed, ApplyTimedOut, PushStalled, WeightsReceiver
+from rollout_service.api.weights_receiver import PUSH_ACCEPTED, ApplyFailed, ApplyTimedOut, PushStalled, WeightsReceiver
 from rollout_service.engines.base import WeightsRejected
 from rollout_service.engines.weights import ManifestError
 
@@ -120,7 +120,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         """Receive, verify and stage a push, then apply it (api/weights_receiver.py)."""
         t0 = time.perf_counter()
         try:
-            weights = await self.weights.receive(request_iterator)
+            weights = await self.weights.receive(
+                request_iterator, accepted=lambda: context.send_initial_metadata(PUSH_ACCEPTED))
             version = await self.weights.apply(weights)
         except PushStalled as exc:
             log.warning("weight push abandoned: %s", exc)

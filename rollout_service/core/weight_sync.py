@@ -10,6 +10,7 @@ from a checkpoint. What it does to requests it asks of the core through
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import Counter
 from typing import Callable, Mapping, Protocol
 
@@ -20,6 +21,8 @@ from rollout_service.engines.weights import StagedWeights
 from rollout_service.lifecycle.types import CoreError, Group, Request
 from rollout_service.partial.carry_over import CarryOverConfig, CarryPlan, plan_carry_over
 
+log = logging.getLogger(__name__)
+
 
 class WorkOps(Protocol):
     """What a weight update does to the core's requests."""
@@ -29,6 +32,14 @@ class WorkOps(Protocol):
     async def preempt(self, req: Request) -> None: ...
     def requeue_front(self, reqs: list[Request]) -> None: ...
     async def give_up(self, group: Group, reason: str) -> None: ...
+
+
+def _release(box: list[StagedWeights]) -> None:
+    """Clean up the one StagedWeights in `box`, and drop it here (in this
+    thread) with its file mapping."""
+    staged = box.pop()
+    staged.cleanup()
+    del staged
 
 
 class WeightSync:
@@ -71,6 +82,25 @@ class WeightSync:
             if self.last is not None:
                 await engine.update_weights(self.version, self.last)
 
+    async def _roll_back(self, engines: list[Engine]) -> None:
+        """Put engines that applied a push that failed on others back on the
+        serving weights (a failed push changes no engine's version). The
+        model's own weights (version 0) are not staged: such an engine, or
+        one that fails to go back, is closed, and the fleet restarts it on
+        the serving weights."""
+        if not engines:
+            return
+        if self.last is not None:
+            results = await asyncio.gather(*(e.update_weights(self.version, self.last) for e in engines),
+                                           return_exceptions=True)
+            stuck = [e for e, r in zip(engines, results) if isinstance(r, BaseException)]
+        else:
+            stuck = list(engines)
+        for engine in stuck:
+            log.warning("engine %s applied a push that failed elsewhere; restarting it on version %d",
+                        engine.engine_id, self.version)
+            await engine.close()
+
     async def update(self, version: int, weights: StagedWeights, work: WorkOps) -> int:
         """Apply verified weights on every live engine at a safe point, then
         bump the policy version; tokens sampled afterwards carry the new
@@ -89,14 +119,22 @@ class WeightSync:
             # does not block training: its restart applies these weights.
             live = self.fleet.live()
             try:
-                await asyncio.gather(*(e.update_weights(version, weights) for e in live))
+                results = await asyncio.gather(*(e.update_weights(version, weights) for e in live),
+                                               return_exceptions=True)
+                failed = [r for r in results if isinstance(r, BaseException)]
+                if failed:
+                    # One version serves everywhere: engines that did apply go back.
+                    await self._roll_back([e for e, r in zip(live, results) if not isinstance(r, BaseException)])
+                    raise failed[0]
             except BaseException:
                 weights.cleanup()
                 work.requeue_front([r for r in plan.preempt if r.engine_id is None])
                 raise
-            previous, self.last = self.last, weights
-            if previous is not None:
-                previous.cleanup()
+            previous, self.last = [self.last], weights
+            if previous[0] is not None:
+                # Off the event loop: freeing a GB-size file's pages (its
+                # unlink, the mapping's munmap) takes ~0.2 s; generation goes on.
+                await asyncio.to_thread(_release, previous)
             self.version = version
             self._counters["weight_updates"] += 1
             self._histogram.observe(self._monotonic() - t0)

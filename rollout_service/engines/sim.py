@@ -279,6 +279,7 @@ class SimEngine:
         self.steps = 0
 
     async def start(self) -> None:
+        self._version = 0  # a (re)started engine serves the model's own weights
         self._run = None
         self._task = asyncio.create_task(self._loop(), name=f"sim-{self.engine_id}")
         self._state = EngineState.READY
