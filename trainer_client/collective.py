@@ -64,7 +64,8 @@ class StateDictSource:
         return [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in self.state_dict.items()]
 
     def __iter__(self):
-        for name, t in self.state_dict.items():
+        for name in self.state_dict.keys():
+            t = self.state_dict[name]
             full = getattr(t, "full_tensor", None)  # an FSDP shard: gathered here
             yield name, (full() if callable(full) else t).detach()
 
