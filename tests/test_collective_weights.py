@@ -106,8 +106,9 @@ async def test_push_mid_rollout_loses_and_duplicates_nothing(service, client):
     assert all(s.finish_reason in ("stop", "length") for s in samples)
     assert any(s.min_version == start and s.max_version == start + 1 for s in samples)  # spans the push
     for s in samples:
-        assert len(s.token_versions) == len(s.response_token_ids) == len(s.logprobs)
-        assert s.token_versions == sorted(s.token_versions)
+        versions = s.token_versions()
+        assert len(versions) == len(s.response_token_ids) == len(s.logprobs)
+        assert versions == sorted(versions)
 
 
 async def test_manifest_mismatch_is_refused_naming_the_tensor(client):

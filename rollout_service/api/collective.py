@@ -48,9 +48,8 @@ async def _abort(context, exc: Exception):
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
     if isinstance(exc, CoreError):
         await context.abort(_CODES.get(exc.code, grpc.StatusCode.FAILED_PRECONDITION), str(exc))
-    if isinstance(exc, (EngineError, RuntimeError, asyncio.TimeoutError, TimeoutError)):
-        await context.abort(grpc.StatusCode.UNAVAILABLE, f"the collective push failed: {exc}")
-    raise exc
+    await context.abort(grpc.StatusCode.UNAVAILABLE,
+                        f"the collective push failed ({type(exc).__name__}: {exc}); the previous version serves")
 
 
 async def get_plan(core: RolloutCore, request: pb.WeightTransferPlanRequest, context) -> pb.WeightTransferPlan:
@@ -145,7 +144,7 @@ async def update(core: RolloutCore, request: pb.CollectiveUpdateRequest, context
         yield pb.CollectiveUpdateEvent(phase=events.get_nowait(), seconds=time.perf_counter() - t0)
     try:
         version = task.result()
-    except (FieldError, CoreError, EngineError, WeightsRejected, RuntimeError, TimeoutError) as exc:
+    except Exception as exc:  # every failure leaves the previous version serving
         log.warning("collective push of version %d failed: %s", request.version, exc)
         await _abort(context, exc)
     yield pb.CollectiveUpdateEvent(phase=pb.CollectiveUpdateEvent.LIVE, applied_version=version,

@@ -14,6 +14,7 @@ blocking receive runs in a thread.
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Sequence
 
@@ -58,18 +59,24 @@ class GroupReceiver:
         self.init = init
         self.group = None
         self._store = None
+        # A thread of its own: the receive blocks for the whole transfer, and
+        # several ranks may live in this process.
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"rank-{init.rank_offset}")
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
 
     async def join(self) -> None:
         i = self.init
-        self.group, self._store = await asyncio.to_thread(
+        self.group, self._store = await self._run(
             wire.open_group, "gloo", i.master_address, i.master_port, i.rank_offset, i.world_size, i.timeout_s)
 
     async def receive(self, specs: list[wire.Spec], on_tensors: Callable[[list], None]) -> int:
         if self.group is None:
             raise RuntimeError("not in a transfer group")
         i = self.init
-        return await asyncio.to_thread(wire.receive, self.group, i.rank_offset, i.world_size, specs,
-                                       i.chunk_bytes, on_tensors, i.mode, i.timeout_s)
+        return await self._run(wire.receive, self.group, i.rank_offset, i.world_size, specs,
+                               i.chunk_bytes, on_tensors, i.mode, i.timeout_s)
 
     def close(self) -> None:
         group, self.group, self._store = self.group, None, None
@@ -78,6 +85,7 @@ class GroupReceiver:
                 group.abort()
             except Exception:
                 pass
+        self._thread.shutdown(wait=False)
 
 
 class Stager:
