@@ -71,43 +71,52 @@ def _serve(conn, model: str, engines: int) -> None:
 
     async def run() -> None:
         cfg = ServiceConfig(grpc_port=0, http_port=0, max_message_mb=64,
-                            engine=EngineConfig(kind="vllm", num_engines=engines, model=model, max_model_len=512,
+                            engine=EngineConfig(kind="vllm", num_engines=engines, model=model, max_model_len=1024,
                                                 max_seqs=8, kv_cache_gib=0.25))
         service = RolloutService(cfg)
         await service.start()
-        core = service.core
-        samples: list[tuple[float, int]] = []  # (time, tokens of running requests)
-        stop = asyncio.Event()
+        from rollout_service.engines.types import EngineRequest, SamplingParams
 
-        async def watch() -> None:
-            while not stop.is_set():
-                samples.append((time.perf_counter(), sum(len(r.token_ids) for r, _ in core.running.values())))
-                await asyncio.sleep(0.002)
+        # A probe request per engine, generating until told to stop, outside
+        # the scheduler: the gaps between its token deltas are the stall.
+        stamps: dict[str, list[float]] = {}
+        probes: list[asyncio.Task] = []
 
-        watcher = asyncio.create_task(watch())
+        async def probe(engine, rid: str) -> None:
+            req = EngineRequest(rid, [1, 40, 41, 42], [], SamplingParams(max_tokens=1000, ignore_eos=True),
+                                max_new_tokens=1000)
+            async for delta in engine.add(req):
+                if delta.token_ids:
+                    stamps[rid].append(time.perf_counter())
+
         conn.send(service.grpc_port)
         loop = asyncio.get_running_loop()
-        window = 0.0
+        n = 0
         try:
             while True:
                 cmd = await loop.run_in_executor(None, conn.recv)
                 if cmd == "stop":
                     break
-                if cmd == "mark":
-                    window = time.perf_counter()
-                    samples.clear()
+                if cmd == "mark":  # start the probes
+                    for engine in service.core.fleet.engines.values():
+                        n += 1
+                        rid = f"probe-{n}"
+                        stamps[rid] = []
+                        probes.append(asyncio.create_task(probe(engine, rid)))
+                    await asyncio.sleep(1.0)
                     conn.send(None)
-                elif cmd == "gaps":  # (longest gap in token progress since mark, median gap)
-                    gaps, last_t, last_n = [], None, None
-                    for t, n in samples:
-                        if last_n is None or n != last_n:
-                            if last_t is not None and n > last_n:
-                                gaps.append(t - last_t)
-                            last_t, last_n = t, n
-                    conn.send((max(gaps, default=0.0), statistics.median(gaps) if gaps else 0.0, window))
+                elif cmd == "gaps":  # (longest gap between a probe's deltas, median gap)
+                    for engine in service.core.fleet.engines.values():
+                        for rid in list(stamps):
+                            await engine.abort(rid)
+                    for task in probes:
+                        task.cancel()
+                    await asyncio.gather(*probes, return_exceptions=True)
+                    probes.clear()
+                    gaps = [b - a for ts in stamps.values() for a, b in zip(ts, ts[1:])]
+                    stamps.clear()
+                    conn.send((max(gaps, default=0.0), statistics.median(gaps) if gaps else 0.0, 0.0))
         finally:
-            stop.set()
-            await watcher
             await service.stop()
 
     asyncio.run(run())
@@ -158,19 +167,12 @@ def raw_broadcast_s(nbytes: int, receivers: int, chunk: int) -> float:
 # -- the trainer's side ----------------------------------------------------------------
 
 
-async def _long_requests(client, n: int) -> None:
-    from trainer_client import PromptGroup
-
-    await client.submit([PromptGroup(prompt_token_ids=[1, 40 + i, 41, 42], num_samples=1, max_tokens=400,
-                                     temperature=1.0) for i in range(n)])
-
-
 async def case(size: str, model: str, engines: int, paths: list[str], repeats: int, chunk_mb: float) -> list[dict]:
     from trainer_client import RolloutClient
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_serve, args=(child, model, engines), daemon=True)
+    proc = ctx.Process(target=_serve, args=(child, model, engines))  # not daemonic: it starts engines
     proc.start()
     loop = asyncio.get_running_loop()
 
@@ -180,18 +182,23 @@ async def case(size: str, model: str, engines: int, paths: list[str], repeats: i
 
     rows = []
     try:
-        port = await loop.run_in_executor(None, parent.recv)
-        weights = [load_weights(model, s) for s in (1, 2)]
-        nbytes = sum(t.numel() * t.element_size() for t in weights[0].values())
+        if not await loop.run_in_executor(None, parent.poll, 900):
+            raise RuntimeError("the service did not start within 900 s")
+        port = parent.recv()
+        import torch
+
+        w = load_weights(model, 1)  # one copy, nudged before each push (memory)
+        nbytes = sum(t.numel() * t.element_size() for t in w.values())
+        g = torch.Generator().manual_seed(2)
         async with RolloutClient(f"127.0.0.1:{port}", max_message_mb=64) as client:
             await client.wait_ready(600)
             version = (await client.status()).policy_version
             for path in paths:
                 times, sent, stalls, steps = [], [], [], []
                 for r in range(repeats + 1):  # the first push warms up (and forms the group)
-                    w = weights[r % 2]
-                    await _long_requests(client, engines * 2)
-                    await asyncio.sleep(1.5)
+                    for t in w.values():
+                        if t.ndim == 2:
+                            t.view(-1)[:1024].add_(torch.randn(min(1024, t.numel()), generator=g), alpha=1e-4)
                     await ask("mark")
                     version += 1
                     t = time.perf_counter()
@@ -213,7 +220,6 @@ async def case(size: str, model: str, engines: int, paths: list[str], repeats: i
                     assert reply.applied_version == version
                     await asyncio.sleep(0.5)
                     stall, step, _ = await ask("gaps")
-                    await client.abort(all=True)
                     if r:
                         times.append(seconds)
                         sent.append(bytes_sent)
@@ -231,7 +237,8 @@ async def case(size: str, model: str, engines: int, paths: list[str], repeats: i
                      "step_s": None, "repeats": 1})
         print(_fmt(rows[-1]), flush=True)
     finally:
-        parent.send("stop")
+        if proc.is_alive():
+            parent.send("stop")
         proc.join(120)
         if proc.is_alive():
             proc.kill()
