@@ -19,7 +19,8 @@ from trainer_client import (
 
 from conftest import unique
 
-CALLS = ("wait_ready", "submit", "submit_detailed", "ack", "abort", "push_weights", "push_weights_file", "status")
+CALLS = ("wait_ready", "submit", "submit_detailed", "ack", "abort", "push_weights", "push_weights_file",
+         "push_weights_collective", "close_collective", "status")
 ITERATORS = ("stream", "groups")
 
 
