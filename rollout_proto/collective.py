@@ -84,26 +84,40 @@ def torch_dtype(name: str):
     return getattr(torch, name)
 
 
-def open_group(backend: str, address: str, port: int, rank: int, world_size: int,
-               timeout_s: float = DEFAULT_TIMEOUT_S, prefix: str = "rollout-weights"):
-    """(process group, store) of `rank` in a group of `world_size`, not the
-    default group (an engine process has its own). Rank 0 hosts the
-    rendezvous store at address:port. Keep the store alive with the group."""
+def open_store(address: str, port: int, rank: int, world_size: int, timeout_s: float = DEFAULT_TIMEOUT_S):
+    """The group's rendezvous store: rank 0 hosts it at address:port (create
+    it before the other ranks try to reach it: they back off otherwise)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(address, int(port), world_size, rank == 0, timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
+def group_on(store, backend: str, address: str, rank: int, world_size: int,
+             timeout_s: float = DEFAULT_TIMEOUT_S, prefix: str = "rollout-weights"):
+    """`rank`'s process group of `world_size` over `store` (not the default
+    group: an engine process has its own); returns once every rank joined."""
     import torch.distributed as dist
 
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(address, int(port), world_size, rank == 0, timeout, wait_for_workers=False)
     prefixed = dist.PrefixStore(prefix, store)
     if backend == "gloo":
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = timeout
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
-        return dist.ProcessGroupGloo(prefixed, rank, world_size, opts), store
+        return dist.ProcessGroupGloo(prefixed, rank, world_size, opts)
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
-        return dist.ProcessGroupNCCL(prefixed, rank, world_size, opts), store
+        return dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
     raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+
+
+def open_group(backend: str, address: str, port: int, rank: int, world_size: int,
+               timeout_s: float = DEFAULT_TIMEOUT_S, prefix: str = "rollout-weights"):
+    """(process group, store) of `rank`; keep the store alive with the group."""
+    store = open_store(address, port, rank, world_size, timeout_s)
+    return group_on(store, backend, address, rank, world_size, timeout_s, prefix), store
 
 
 def _wait(work, timeout_s: float) -> None:

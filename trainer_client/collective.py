@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping
@@ -96,13 +97,15 @@ class GlooTrainerWeightTransferEngine:
         payload = {"master_address": init_info.master_address, "master_port": init_info.master_port,
                    "rank_offset": 1, "world_size": init_info.world_size, "timeout_s": init_info.timeout_s,
                    "chunk_bytes": init_info.chunk_bytes, "mode": init_info.mode}
-        # The receivers block in init until every rank has joined: join ours concurrently.
+        # The store first (the receivers reach it at once), then the receivers
+        # join (they block until every rank has) while this rank joins too.
+        engine.store = wire.open_store(init_info.master_address, init_info.master_port, 0, init_info.world_size,
+                                       init_info.timeout_s)
         with ThreadPoolExecutor(max_workers=1) as exe:
             future = exe.submit(client.init_weight_transfer_engine, payload)
             try:
-                engine.group, engine.store = wire.open_group(
-                    "gloo", init_info.master_address, init_info.master_port, 0, init_info.world_size,
-                    init_info.timeout_s)
+                engine.group = wire.group_on(engine.store, "gloo", init_info.master_address, 0,
+                                             init_info.world_size, init_info.timeout_s)
             except BaseException:
                 future.result()  # the service's reason first, if it has one
                 raise
@@ -208,8 +211,11 @@ def free_port(address: str = "127.0.0.1") -> int:
 
 def trainer_engine(init_info, control: ServiceControl, source: StateDictSource):
     """vLLM's `WeightTransferTrainerFactory.trainer_init` for the init
-    info's backend (gloo registered here if this process has not yet);
-    without vLLM, the gloo engine directly."""
+    info's backend (gloo registered here if this process has not yet). For
+    gloo in a process that has not loaded vLLM (importing it costs seconds),
+    or without vLLM, the same gloo engine directly."""
+    if init_info.backend == "gloo" and "vllm.distributed.weight_transfer.factory" not in sys.modules:
+        return GlooTrainerWeightTransferEngine.trainer_init(init_info, client=control, source=source)
     try:
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
     except ImportError:
