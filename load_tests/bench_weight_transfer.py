@@ -269,7 +269,15 @@ def main() -> None:
     load = os.getloadavg()
     print(f"load average before: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; {os.cpu_count()} CPUs")
     print(HEADER)
-    rows = []
+    rows: list[dict] = []
+
+    def report(after=None) -> None:  # after every case, so that a cut-short run keeps its figures
+        if args.report:
+            out = Path(args.report)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "weight_transfer.json").write_text(json.dumps(
+                {"load_before": load, "load_after": after, "rows": rows}, indent=1))
+
     for size in args.sizes.split(","):
         model = model_dir(size, Path(args.models))
         for n in [int(x) for x in args.engines.split(",")]:
@@ -278,13 +286,10 @@ def main() -> None:
             except Exception as exc:  # e.g. out of memory: say so and go on
                 print(f"{size} x {n} engines: failed: {type(exc).__name__}: {exc}", flush=True)
                 rows.append({"size": size, "engines": n, "failed": f"{type(exc).__name__}: {exc}"})
+            report()
     after = os.getloadavg()
     print(f"load average after: {after[0]:.2f} {after[1]:.2f} {after[2]:.2f}")
-    if args.report:
-        out = Path(args.report)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "weight_transfer.json").write_text(json.dumps({"load_before": load, "load_after": after, "rows": rows},
-                                                             indent=1))
+    report(after)
 
 
 if __name__ == "__main__":
