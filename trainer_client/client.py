@@ -287,39 +287,39 @@ class RolloutClient:
             mode: gloo's "chain" (sent once, forwarded engine to engine) or
                 "broadcast".
         """
-        from trainer_client.collective import CollectiveSession
+        from trainer_client.collective import CollectiveGroup
 
         options = (backend, master_address, master_port, timeout_s, int(chunk_mb * 1024 * 1024), mode)
-        session = self._collective
-        if session is not None and session.options != options:
-            session.close()
-            session = None
+        group = self._collective
+        if group is not None and group.options != options:
+            group.close()
+            group = None
         for attempt in range(2):
-            if session is None:
-                session = CollectiveSession(self._stub, self._md, *options)
-                session.options = options
-            self._collective = session
+            if group is None:
+                group = CollectiveGroup(self._stub, self._md, *options)
+                group.options = options
+            self._collective = group
             try:
-                applied, seconds, sent = await session.push(state_dict, version)
+                applied, seconds, sent = await group.push(state_dict, version)
                 return PushResult(applied_version=applied, bytes_received=sent, seconds=seconds)
             except grpc.aio.AioRpcError as exc:
-                session.close()
-                self._collective = session = None
+                group.close()
+                self._collective = group = None
                 # The service's group changed (an engine restarted): form it again, once.
                 if attempt or exc.code() != grpc.StatusCode.FAILED_PRECONDITION or "InitWeightTransfer" not in (
                         exc.details() or ""):
                     raise
             except BaseException:
-                session.close()
+                group.close()
                 self._collective = None
                 raise
         raise AssertionError("unreachable")
 
     async def close_collective(self) -> None:
         """Leave the collective transfer group (the service's side too)."""
-        session, self._collective = self._collective, None
-        if session is not None:
-            session.close()
+        group, self._collective = self._collective, None
+        if group is not None:
+            group.close()
             await self._stub.CloseWeightTransfer(pb.CloseWeightTransferRequest(), metadata=self._md)
 
     async def push_weights_file(self, path: str, version: int, target: str = "policy") -> PushResult:

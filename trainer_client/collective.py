@@ -248,7 +248,7 @@ def manifest_of(state_dict: Mapping[str, Any]) -> list[pb.TensorSpec]:
     return out
 
 
-class CollectiveSession:
+class CollectiveGroup:
     """A trainer's membership of the service's transfer group, kept across
     pushes (`RolloutClient.push_weights_collective` holds one)."""
 

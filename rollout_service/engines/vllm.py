@@ -175,7 +175,7 @@ class VllmEngine:
         self._update_lock = asyncio.Lock()
         self._transfer: "TransferInit | None" = None  # the collective transfer group joined
         self._receiving = False  # a collective push holds the update lock
-        self._session_open = False  # vLLM's weight-update session is open
+        self._update_open = False  # vLLM's weight update is open (start_weight_update called)
         self.restarts = 0
         self.update_timeout_s = 120.0  # bound on each step of a weight update
 
@@ -515,19 +515,19 @@ class VllmEngine:
         timeout = self._transfer.timeout_s + self.update_timeout_s
         await asyncio.wait_for(self._llm.pause_generation(mode="keep", clear_cache=True), self.update_timeout_s)
         await asyncio.wait_for(self._llm.start_weight_update(), self.update_timeout_s)
-        self._session_open = True
+        self._update_open = True
         info = {"names": [s.name for s in specs], "dtype_names": [s.dtype for s in specs],
                 "shapes": [list(s.shape) for s in specs]}
         try:
             await asyncio.wait_for(self._llm.update_weights(WeightTransferUpdateRequest(update_info=info)), timeout)
         except BaseException:
-            self._session_open = False  # the worker ends its session when a receive fails
+            self._update_open = False  # the worker ends the update when a receive fails
             raise
 
     async def finish_received_weights(self, version: int) -> None:
         try:
             await asyncio.wait_for(self._llm.finish_weight_update(weight_version=str(version)), self.update_timeout_s)
-            self._session_open = False
+            self._update_open = False
             self._version = version
         finally:
             await self._resume_after_receive()
@@ -539,8 +539,8 @@ class VllmEngine:
             if not self._alive():
                 return
             timeout = self.update_timeout_s
-            if self._session_open:
-                self._session_open = False
+            if self._update_open:
+                self._update_open = False
                 await asyncio.wait_for(self._llm.finish_weight_update(), timeout)
             await self.close_weight_transfer()
             paths = [await fallback.as_file()] if fallback is not None else \
