@@ -271,15 +271,13 @@ def receive(pg, rank: int, world_size: int, specs: Sequence[Spec], chunk_bytes: 
             for i, a, b in chunk:
                 _bytes_of(target(i))[a:b].copy_(buf[pos : pos + b - a])
                 pos += b - a
-        # Forwarding reads the tensor it lands in: hand a tensor on only once
-        # its chunks have left (at most two forwards in flight).
+        # At most two forwards in flight (a scratch slot is reused two chunks
+        # on). A complete tensor is handed on at once: loading only reads it,
+        # as the forward does, and the forward's work keeps it alive.
         while len(pending) > 1:
             _wait(pending.pop(0), timeout_s)
         for i, _, b in chunk:
             if b == specs[i].nbytes:
-                if forward:
-                    while pending:
-                        _wait(pending.pop(0), timeout_s)
                 ready.append((specs[i].name, current.pop(i)))
                 ready_bytes += specs[i].nbytes
         if ready_bytes >= batch_bytes:
