@@ -462,3 +462,75 @@ class ContinueResponse(_message.Message):
     APPLIED_FIELD_NUMBER: _ClassVar[int]
     applied: bool
     def __init__(self, applied: _Optional[bool] = ...) -> None: ...
+
+class WeightTransferPlanRequest(_message.Message):
+    __slots__ = ("backend",)
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    backend: str
+    def __init__(self, backend: _Optional[str] = ...) -> None: ...
+
+class WeightTransferPlan(_message.Message):
+    __slots__ = ("backend", "world_size", "engine_ids", "first_ranks", "stager_rank")
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_IDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_RANKS_FIELD_NUMBER: _ClassVar[int]
+    STAGER_RANK_FIELD_NUMBER: _ClassVar[int]
+    backend: str
+    world_size: int
+    engine_ids: _containers.RepeatedScalarFieldContainer[str]
+    first_ranks: _containers.RepeatedScalarFieldContainer[int]
+    stager_rank: int
+    def __init__(self, backend: _Optional[str] = ..., world_size: _Optional[int] = ..., engine_ids: _Optional[_Iterable[str]] = ..., first_ranks: _Optional[_Iterable[int]] = ..., stager_rank: _Optional[int] = ...) -> None: ...
+
+class InitWeightTransferRequest(_message.Message):
+    __slots__ = ("backend", "master_address", "master_port", "world_size", "timeout_s", "options_json")
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    MASTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_JSON_FIELD_NUMBER: _ClassVar[int]
+    backend: str
+    master_address: str
+    master_port: int
+    world_size: int
+    timeout_s: float
+    options_json: str
+    def __init__(self, backend: _Optional[str] = ..., master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., timeout_s: _Optional[float] = ..., options_json: _Optional[str] = ...) -> None: ...
+
+class CollectiveUpdateRequest(_message.Message):
+    __slots__ = ("version", "tensors")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
+
+class CollectiveUpdateEvent(_message.Message):
+    __slots__ = ("phase", "applied_version", "seconds")
+    class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        PHASE_UNSPECIFIED: _ClassVar[CollectiveUpdateEvent.Phase]
+        ACCEPTED: _ClassVar[CollectiveUpdateEvent.Phase]
+        RECEIVED: _ClassVar[CollectiveUpdateEvent.Phase]
+        LIVE: _ClassVar[CollectiveUpdateEvent.Phase]
+    PHASE_UNSPECIFIED: CollectiveUpdateEvent.Phase
+    ACCEPTED: CollectiveUpdateEvent.Phase
+    RECEIVED: CollectiveUpdateEvent.Phase
+    LIVE: CollectiveUpdateEvent.Phase
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    phase: CollectiveUpdateEvent.Phase
+    applied_version: int
+    seconds: float
+    def __init__(self, phase: _Optional[_Union[CollectiveUpdateEvent.Phase, str]] = ..., applied_version: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class CloseWeightTransferRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CloseWeightTransferResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -19,8 +19,8 @@ from trainer_client import (
 
 from conftest import unique
 
-CALLS = ("wait_ready", "submit", "submit_detailed", "ack", "abort", "push_weights", "push_weights_file", "status",
-         "continue_trajectory")
+CALLS = ("wait_ready", "submit", "submit_detailed", "ack", "abort", "push_weights", "push_weights_file",
+         "push_weights_collective", "close_collective", "status", "continue_trajectory")
 ITERATORS = ("stream", "groups", "trajectory_groups")
 
 

@@ -106,6 +106,7 @@ class RolloutClient:
         self._push = self._channel.stream_unary(
             "/rollout.v1.RolloutService/PushWeights", request_serializer=_weights.serialize_chunk,
             response_deserializer=pb.PushWeightsResponse.FromString)
+        self._collective = None  # the collective transfer group joined (push_weights_collective)
         self.last_cursor = 0  # highest cursor received
         self.acked_cursor = 0
 
@@ -117,6 +118,9 @@ class RolloutClient:
 
     async def close(self) -> None:
         """Close the connection (the service keeps this consumer's cursor)."""
+        if self._collective is not None:
+            self._collective.close()
+            self._collective = None
         await self._channel.close()
 
     async def wait_ready(self, timeout: float = 60.0) -> None:
@@ -449,6 +453,64 @@ class RolloutClient:
             stop.set()  # the push failed early: stop hashing
             with contextlib.suppress(Exception):
                 await hashing
+
+    async def push_weights_collective(
+        self, state_dict: Mapping[str, object], version: int, *, backend: str = "",
+        master_address: str = "127.0.0.1", master_port: int = 0, timeout_s: float = 60.0,
+        chunk_mb: float = 32.0, mode: str = "chain",
+    ) -> PushResult:
+        """Push a state dict of torch tensors over a collective group: the
+        trainer (rank 0) sends each byte once to every engine's workers
+        (gloo on CPUs, NCCL on GPUs; docs/collective.md). Returns when
+        `version` serves on every engine; the group is formed on the first
+        call and kept. A push that fails (refused manifest: INVALID_ARGUMENT
+        naming the tensor; another push applying: FAILED_PRECONDITION; a
+        transfer that fails or stalls past `timeout_s`) raises, the previous
+        version keeps serving, and the next call forms the group again.
+
+        Args:
+            backend: "gloo", "nccl", or "" for the engines' default.
+            master_address, master_port: this trainer's rendezvous address,
+                reachable from the service's engines (port 0: a free one).
+            timeout_s: bound on every wait of the group, on both sides.
+            chunk_mb: gloo's transfer unit, in MiB.
+            mode: gloo's "chain" (sent once, forwarded engine to engine) or
+                "broadcast".
+        """
+        from trainer_client.collective import CollectiveGroup
+
+        options = (backend, master_address, master_port, timeout_s, int(chunk_mb * 1024 * 1024), mode)
+        group = self._collective
+        if group is not None and group.options != options:
+            group.close()
+            group = None
+        for attempt in range(2):
+            if group is None:
+                group = CollectiveGroup(self._stub, self._md, *options)
+                group.options = options
+            self._collective = group
+            try:
+                applied, seconds, sent = await group.push(state_dict, version)
+                return PushResult(applied_version=applied, bytes_received=sent, seconds=seconds)
+            except grpc.aio.AioRpcError as exc:
+                group.close()
+                self._collective = group = None
+                # The service's group changed (an engine restarted): form it again, once.
+                if attempt or exc.code() != grpc.StatusCode.FAILED_PRECONDITION or "InitWeightTransfer" not in (
+                        exc.details() or ""):
+                    raise
+            except BaseException:
+                group.close()
+                self._collective = None
+                raise
+        raise AssertionError("unreachable")
+
+    async def close_collective(self) -> None:
+        """Leave the collective transfer group (the service's side too)."""
+        group, self._collective = self._collective, None
+        if group is not None:
+            group.close()
+            await self._stub.CloseWeightTransfer(pb.CloseWeightTransferRequest(), metadata=self._md)
 
     async def push_weights_file(self, path: str, version: int, target: str = "policy") -> PushResult:
         """Same-host fast path: the service reads a safetensors file itself;

@@ -108,6 +108,8 @@ class SyncRolloutClient:
     abort = _blocking(RolloutClient.abort)
     push_weights = _blocking(RolloutClient.push_weights)
     push_weights_file = _blocking(RolloutClient.push_weights_file)
+    push_weights_collective = _blocking(RolloutClient.push_weights_collective)
+    close_collective = _blocking(RolloutClient.close_collective)
     status = _blocking(RolloutClient.status)
 
     def close(self) -> None:

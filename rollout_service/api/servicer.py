@@ -10,7 +10,7 @@ import grpc
 
 from rollout_proto import rollout_pb2 as pb
 from rollout_proto import rollout_pb2_grpc as pb_grpc
-from rollout_service.api import convert, validation
+from rollout_service.api import collective, convert, validation
 from rollout_service.api.validation import FieldError, ModelLimits, TooLarge
 from rollout_service.core.rollout import CoreError, RolloutCore
 from rollout_service.api.weights_receiver import PUSH_ACCEPTED, ApplyFailed, ApplyTimedOut, PushStalled, WeightsReceiver
@@ -137,6 +137,20 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             await _fail(context, exc)
         return pb.PushWeightsResponse(applied_version=version, bytes_received=weights.bytes_received,
                                       seconds=time.perf_counter() - t0)
+
+    # Collective weight transfer (api/collective.py).
+    async def GetWeightTransferPlan(self, request, context):
+        return await collective.get_plan(self.core, request, context)
+
+    async def InitWeightTransfer(self, request, context):
+        return await collective.init(self.core, request, context)
+
+    async def CollectiveUpdate(self, request, context):
+        async for event in collective.update(self.core, request, context):
+            yield event
+
+    async def CloseWeightTransfer(self, request, context):
+        return await collective.close(self.core, request, context)
 
 
 SERVICE = "rollout.v1.RolloutService"

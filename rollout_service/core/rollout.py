@@ -32,6 +32,7 @@ from rollout_service.core.snapshot import CoreSnapshot
 from rollout_service.core.status import CoreStatus, EngineStatus
 from rollout_service.core.tasks import TaskSet
 from rollout_service.core.trajectories import Trajectories
+from rollout_service.core.collective import CollectiveTransfer
 from rollout_service.core.weight_sync import WeightSync
 from rollout_service.engines.base import Engine
 from rollout_service.engines.types import FinishReason
@@ -114,6 +115,7 @@ class RolloutCore:
                            bring_up=self._bring_up, on_change=self._wake.set)
         self.weight_sync = WeightSync(self.fleet, carry_over or CarryOverConfig(), self.counters,
                                       self.histograms["weight_update_seconds"], self.clock.monotonic)
+        self.collective = CollectiveTransfer(self.fleet, self.weight_sync)  # collective pushes
         # One predictor serves placement and rebalancing; it learns from every finish.
         self.rebalancing = Rebalancing(rebalance, predictor or placement.predictor or (LengthPredictor() if rebalance else None),
                                        self.fleet, self.requests, self.migrate, self.clock.monotonic)
@@ -243,6 +245,7 @@ class RolloutCore:
         await self._tasks.cancel_all()
         await self._runners.cancel_all()
         await self.trajectories.stop()
+        await self.collective.close()
         await self.fleet.close()
 
     # -- submit ----------------------------------------------------------------
@@ -587,6 +590,11 @@ class RolloutCore:
         carry unfinished work over; returns the serving version (see
         `WeightSync.update`)."""
         return await self.weight_sync.update(version, weights, self)
+
+    async def push_collective(self, version: int, manifest, accepted, received) -> int:
+        """A collective push (core/collective.py): received by the engines
+        from the trainer's group, live on all at once; returns the version."""
+        return await self.collective.push(version, manifest, self, accepted, received)
 
     async def _bring_up(self, engine: Engine) -> None:
         await self.weight_sync.bring_up(engine)

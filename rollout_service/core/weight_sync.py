@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from typing import Callable, Mapping, Protocol
+from typing import Awaitable, Callable, Mapping, Protocol
 
 from rollout_service.core.fleet import Fleet
 from rollout_service.core.histogram import Histogram
@@ -135,6 +135,46 @@ class WeightSync:
                 # Off the event loop: freeing a GB-size file's pages (its
                 # unlink, the mapping's munmap) takes ~0.2 s; generation goes on.
                 await asyncio.to_thread(_release, previous)
+            self.version = version
+            self._counters["weight_updates"] += 1
+            self._histogram.observe(self._monotonic() - t0)
+            await self._apply_carry(plan, unfinished, work)
+            return version
+
+    async def update_received(self, version: int, work: WorkOps, accepted: Callable[[], Awaitable[None]],
+                              receive: Callable[[], Awaitable[StagedWeights | None]],
+                              finish: Callable[[], Awaitable[None]], abandon: Callable[[], Awaitable[None]]) -> int:
+        """`update` for weights that arrive on the engines themselves (a
+        collective push, core/collective.py): carry-over planned, then
+        `accepted()` (the sender may send), `receive()` on every engine (the
+        staged copy it returns, if any, is what restarted engines get), then
+        `finish()` makes the version live on all; on any failure `abandon()`
+        puts the previous weights back and the serving version stays."""
+        async with self.lock:
+            self.check_version(version)
+            t0 = self._monotonic()
+            unfinished = work.unfinished()
+            plan = plan_carry_over(self.carry_over, unfinished, work.running_ids(), version)
+            for req in plan.preempt:
+                await work.preempt(req)
+            staged = None
+            try:
+                await accepted()
+                staged = await receive()
+                await finish()
+            except BaseException:
+                if staged is not None:
+                    staged.cleanup()
+                # Shielded: a trainer that hangs up must not leave the engines
+                # half-loaded (each restore is bounded).
+                await asyncio.shield(abandon())
+                work.requeue_front([r for r in plan.preempt if r.engine_id is None])
+                raise
+            # Without a staged copy a restarted engine serves the model's own
+            # weights (tagged version 0) until the next push.
+            previous, self.last = self.last, staged
+            if previous is not None:
+                previous.cleanup()
             self.version = version
             self._counters["weight_updates"] += 1
             self._histogram.observe(self._monotonic() - t0)

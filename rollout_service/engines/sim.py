@@ -88,6 +88,7 @@ from rollout_service.engines.types import (
     TokenDelta,
 )
 from rollout_service.engines.base import EngineError
+from rollout_service.engines.collective import GroupReceiver, TransferInit
 from rollout_service.engines.spec_config import DEFAULT_SCHEDULE, SpecConfig
 from rollout_service.engines.spec_monitor import SpecMonitor
 from rollout_service.engines.speculation import MonitoredSpeculation
@@ -253,6 +254,8 @@ class SimEngine:
         self._running: list[_Seq] = []
         self._seqs: dict[str, _Seq] = {}
         self._version = 0
+        self._receiver: GroupReceiver | None = None  # in a collective transfer group
+        self.received_bytes = 0  # by the last collective push
         self._state = EngineState.STARTING
         self._wake = asyncio.Event()
         self._step_lock = asyncio.Lock()
@@ -380,8 +383,48 @@ class SimEngine:
             self._version = version
             self._state = prev if prev != EngineState.UPDATING else EngineState.READY
 
+    # -- collective weight transfer: one receiving rank, in this process. It
+    # receives while generating; the weights "apply" instantly at finish.
+
+    def transfer_ranks(self) -> int:
+        return 1
+
+    async def init_weight_transfer(self, init: TransferInit) -> None:
+        await self.close_weight_transfer()
+        receiver = GroupReceiver(init)
+        await receiver.join()
+        self._receiver = receiver
+
+    async def receive_weights(self, version: int, specs: list) -> None:
+        if self._receiver is None:
+            raise EngineError(f"engine {self.engine_id} is not in a transfer group")
+        self.received_bytes = 0
+
+        def count(batch) -> None:
+            self.received_bytes += sum(t.numel() * t.element_size() for _, t in batch)
+
+        try:
+            await self._receiver.receive(specs, count)
+        except Exception as exc:
+            raise EngineError(f"engine {self.engine_id}: collective receive failed: {exc}") from exc
+
+    async def finish_received_weights(self, version: int) -> None:
+        self._cut_run()
+        async with self._step_lock:  # between two steps
+            self._version = version
+
+    async def abandon_received_weights(self, fallback: object, version: int) -> None:
+        await self.close_weight_transfer()
+        self._version = version  # nothing was applied but the tag
+
+    async def close_weight_transfer(self) -> None:
+        receiver, self._receiver = self._receiver, None
+        if receiver is not None:
+            receiver.close()
+
     async def close(self) -> None:
         self._state = EngineState.DEAD
+        await self.close_weight_transfer()
         await cancel_and_wait(self._task)
         for rid in list(self._seqs):
             await self.abort(rid)
