@@ -130,16 +130,7 @@ class WeightSync:
                 weights.cleanup()
                 work.requeue_front([r for r in plan.preempt if r.engine_id is None])
                 raise
-            previous, self.last = [self.last], weights
-            if previous[0] is not None:
-                # Off the event loop: freeing a GB-size file's pages (its
-                # unlink, the mapping's munmap) takes ~0.2 s; generation goes on.
-                await asyncio.to_thread(_release, previous)
-            self.version = version
-            self._counters["weight_updates"] += 1
-            self._histogram.observe(self._monotonic() - t0)
-            await self._apply_carry(plan, unfinished, work)
-            return version
+            return await self._live(version, weights, t0, plan, unfinished, work)
 
     async def update_received(self, version: int, work: WorkOps, accepted: Callable[[], Awaitable[None]],
                               receive: Callable[[], Awaitable[StagedWeights | None]],
@@ -172,14 +163,22 @@ class WeightSync:
                 raise
             # Without a staged copy a restarted engine serves the model's own
             # weights (tagged version 0) until the next push.
-            previous, self.last = self.last, staged
-            if previous is not None:
-                previous.cleanup()
-            self.version = version
-            self._counters["weight_updates"] += 1
-            self._histogram.observe(self._monotonic() - t0)
-            await self._apply_carry(plan, unfinished, work)
-            return version
+            return await self._live(version, staged, t0, plan, unfinished, work)
+
+    async def _live(self, version: int, staged: StagedWeights | None, t0: float, plan: CarryPlan,
+                    unfinished: list[Request], work: WorkOps) -> int:
+        """`version` serves on every engine: keep its staged copy for
+        restarted engines, free the previous one, carry the work over."""
+        previous, self.last = [self.last], staged
+        if previous[0] is not None:
+            # Off the event loop: freeing a GB-size file's pages (its
+            # unlink, the mapping's munmap) takes ~0.2 s; generation goes on.
+            await asyncio.to_thread(_release, previous)
+        self.version = version
+        self._counters["weight_updates"] += 1
+        self._histogram.observe(self._monotonic() - t0)
+        await self._apply_carry(plan, unfinished, work)
+        return version
 
     async def _apply_carry(self, plan: CarryPlan, unfinished: list[Request], work: WorkOps) -> None:
         restart = {r.request_id for r in plan.restart}
