@@ -58,7 +58,8 @@ class RolloutService:
         tokenizer = await asyncio.to_thread(load_tokenizer, info)
         self.model_name = info.name
         await self._start_core(info, tokenizer)
-        limits = ModelLimits(info.vocab_size, info.max_model_len, cfg.max_groups_per_submit)
+        limits = ModelLimits(info.vocab_size, info.max_model_len, cfg.max_groups_per_submit,
+                             text=cfg.engine.kind != "sim")
         auth = TokenAuth(cfg.auth.submit_tokens, cfg.auth.weights_tokens)
         tls = _tls(cfg)
         await self._start_grpc(limits, tokenizer, auth, tls)

@@ -336,3 +336,26 @@ async def test_an_engine_killed_in_the_middle_of_a_turn_loses_nothing(service, v
     s = final[sid]
     assert s.response_token_ids[:len(partial)] == partial  # nothing generated before the kill is lost
     assert victim_id in s.engines and s.engines[-1] != victim_id  # finished on the engine still up
+
+
+async def test_a_stop_string_over_grpc_ends_each_turn(vc):
+    """`stop` strings (a tool-call delimiter) end a turn on vLLM: every
+    generated turn's text holds the delimiter only at its end."""
+    problem = _problems(1, seed=5)[0]
+    g = PromptGroup(prompt_token_ids=tok.prompt_token_ids(problem), num_samples=2, max_tokens=48, temperature=1.0,
+                    stop=["\n"], group_id=unique("mtv-stop"), multi_turn=MultiTurn(max_turns=2))
+    await vc.submit([g])
+    stream = vc.stream(ack_every=1)
+    first = await _events(stream, {g.group_id}, 2)
+    for e in first:
+        await vc.continue_trajectory(e.sample_id, 0, observation_text="ok\n")
+    final = await _events(stream, {g.group_id}, 2)
+    await stream.aclose()
+    stopped = 0
+    for s in final:
+        assert not s.awaiting_observation
+        for t in (t for t in s.turns if t.kind == "generated"):
+            text = tok.decode(s.response_token_ids[t.start:t.start + t.length])
+            assert "\n" not in text.rstrip("\n") or t.length == 48
+            stopped += text.endswith("\n")
+    assert stopped >= 2  # the tiny reasoner writes one line per step

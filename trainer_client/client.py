@@ -27,7 +27,7 @@ _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.Status
 
 
 def _group_pb(g: PromptGroup) -> pb.PromptGroup:
-    sampling = pb.SamplingParams(max_tokens=g.max_tokens, stop_token_ids=g.stop_token_ids)
+    sampling = pb.SamplingParams(max_tokens=g.max_tokens, stop_token_ids=g.stop_token_ids, stop=g.stop)
     if g.temperature is not None:
         sampling.temperature = g.temperature
     if g.top_p is not None:

@@ -161,8 +161,9 @@ class PromptGroup:
     """A GRPO group to submit: one prompt (token ids or text), `num_samples`
     completions, sampling settings (None means the server's default).
     `multi_turn` makes each completion a trajectory of turns (then
-    `max_tokens` is the budget of one turn and `stop_token_ids` typically
-    hold the tool-call delimiters)."""
+    `max_tokens` is the budget of one turn and `stop` strings or
+    `stop_token_ids` typically hold the tool-call delimiters; stop strings
+    need vLLM engines)."""
 
     prompt_token_ids: list[int] | None = None
     prompt_text: str = ""
@@ -173,6 +174,7 @@ class PromptGroup:
     top_k: int | None = None
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)
     group_id: str = ""
     prompt_id: str = ""
     metadata: dict[str, str] = field(default_factory=dict)

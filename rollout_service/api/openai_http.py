@@ -27,7 +27,7 @@ import uuid
 
 from aiohttp import web
 
-from rollout_service.api.validation import MAX_TEMPERATURE, ModelLimits
+from rollout_service.api.validation import MAX_STOP_STRINGS, MAX_TEMPERATURE, ModelLimits
 from rollout_service.core.rollout import CoreError, RolloutCore
 from rollout_service.engines.types import FinishReason, SamplingParams
 from rollout_service.lifecycle.types import DeltaEvent, GroupSpec, Sample, SampleEvent
@@ -55,7 +55,6 @@ _UNSUPPORTED = {"functions", "function_call", "audio", "modalities", "prediction
                 "documents", "priority", "request_id", "cache_salt", "logits_processors", "vllm_xargs",
                 "kv_transfer_params", "prompt_embeds", "echo", "suffix", "logit_bias", "best_of",
                 "response_format", "parallel_tool_calls"} | set(_NEUTRAL)
-MAX_STOP_STRINGS = 16
 SESSION_HEADER = "X-Session-Id"
 
 

@@ -14,6 +14,8 @@ from rollout_service.engines.types import SamplingParams
 from rollout_service.lifecycle.types import GroupSpec, MultiTurnSpec
 
 MAX_NUM_SAMPLES = 1024
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
 MAX_TEMPERATURE = 2.0  # vLLM refuses hotter sampling; so does the OpenAI API
 MAX_TURNS = 1024
 MAX_ID_CHARS = 256
@@ -44,6 +46,7 @@ class ModelLimits:
     max_model_len: int
     max_groups_per_submit: int = 4096
     max_samples_per_submit: int = 65_536
+    text: bool = True  # the engines detokenize (stop strings work); False on simulated engines
 
 
 def _check_id(field: str, value: str) -> None:
@@ -74,6 +77,15 @@ def sampling_params(field: str, sp: pb.SamplingParams, prompt_len: int, limits: 
     if top_k != -1 and not 1 <= top_k <= limits.vocab_size:
         raise FieldError(f"{field}.top_k", f"must be -1 or in [1, {limits.vocab_size}], got {top_k}")
     _check_tokens(f"{field}.stop_token_ids", sp.stop_token_ids, limits.vocab_size)
+    if sp.stop:
+        if len(sp.stop) > MAX_STOP_STRINGS:
+            raise FieldError(f"{field}.stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(sp.stop)}")
+        for j, stop in enumerate(sp.stop):
+            if not 1 <= len(stop) <= MAX_STOP_CHARS:
+                raise FieldError(f"{field}.stop[{j}]", f"must be 1-{MAX_STOP_CHARS} characters, got {len(stop)}")
+        if not limits.text:
+            raise FieldError(f"{field}.stop", "stop strings need engines that detokenize (vLLM); this server's "
+                             "engines are simulated: use stop_token_ids")
     return SamplingParams(
         max_tokens=sp.max_tokens,
         temperature=float(temperature),
@@ -81,6 +93,7 @@ def sampling_params(field: str, sp: pb.SamplingParams, prompt_len: int, limits: 
         top_k=top_k,
         stop_token_ids=tuple(sp.stop_token_ids),
         seed=sp.seed if sp.HasField("seed") else None,
+        stop=tuple(sp.stop),
     )
 
 
