@@ -186,7 +186,16 @@ class WeightSync:
         # A trajectory waiting for an observation is in no queue: restarted,
         # it is queued again (its pending answer becomes stale).
         waiting = [r for r in plan.restart if r.awaiting and r.group.group_id not in dropped]
+        # A trajectory whose observation arrived during the push may have
+        # started its next turn since the plan was made: stop it before it
+        # starts over (its runner would otherwise end a turn of the reset request).
+        started = [r for r in plan.restart if r.engine_id is not None and r not in plan.preempt]
+        for req in started:
+            await work.preempt(req)
+        waiting += [r for r in started if r.group.group_id not in dropped]
         for req in plan.restart:
+            if req.finish_reason is not None:
+                continue  # finished during the push (e.g. its environment said done)
             self._counters["tokens_discarded"] += len(req.token_ids)
             req.reset()
         self._counters["tokens_carried"] += sum(
