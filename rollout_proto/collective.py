@@ -120,6 +120,17 @@ def open_group(backend: str, address: str, port: int, rank: int, world_size: int
     return group_on(store, backend, address, rank, world_size, timeout_s, prefix), store
 
 
+def abort_group(group) -> None:
+    """Leave a process group at once, whatever state it is in (a peer that
+    died or stalled, a transfer half done); None is a no-op."""
+    if group is None:
+        return
+    try:
+        group.abort()
+    except Exception:  # already broken or closed: nothing is left to release
+        pass
+
+
 def _wait(work, timeout_s: float) -> None:
     work.wait(timedelta(seconds=timeout_s))
 

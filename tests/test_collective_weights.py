@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 from rollout_service.config import EngineConfig, ServiceConfig  # noqa: E402
 from trainer_client import PromptGroup  # noqa: E402
 
-from conftest import connect, running, unique, vllm_model  # noqa: E402
+from conftest import connect, max_logprob_gap, running, unique, vllm_model  # noqa: E402
 from test_streaming import collect  # noqa: E402
 from test_vllm_engine import PROMPTS, _perturbed, _weights  # noqa: E402
 
@@ -50,24 +50,12 @@ async def _push(client, weights, version, **kw):
 async def _sample_gap(client, weights, version) -> float:
     """Sample at temperature 1 and compare every logprob with transformers'
     recomputation on `weights` (nats); every token must carry `version`."""
-    from transformers import AutoModelForCausalLM
-
     prefix = unique("lp")
     await client.submit([PromptGroup(prompt_token_ids=p, num_samples=2, max_tokens=32, temperature=1.0,
                                      group_id=f"{prefix}-{i}") for i, p in enumerate(PROMPTS)])
     samples = await collect(client, prefix, 2 * len(PROMPTS), timeout=180)
     assert all(s.min_version == s.max_version == version for s in samples)
-    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
-    model.load_state_dict(weights, strict=False)
-    model.tie_weights()
-    worst = 0.0
-    for s in samples:
-        ids = torch.tensor([s.prompt_token_ids + s.response_token_ids])
-        with torch.no_grad():
-            logits = model(ids).logits[0, len(s.prompt_token_ids) - 1 : -1]
-        ref = torch.log_softmax(logits.double(), -1).gather(1, torch.tensor(s.response_token_ids)[:, None])[:, 0]
-        worst = max(worst, float((ref - torch.tensor(s.logprobs, dtype=torch.float64)).abs().max()))
-    return worst
+    return max_logprob_gap(samples, MODEL, weights)
 
 
 def _payload(weights) -> int:

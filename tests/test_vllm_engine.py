@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 from rollout_proto import rollout_pb2 as pb  # noqa: E402
 from trainer_client import PromptGroup  # noqa: E402
 
-from conftest import unique, vllm_model  # noqa: E402
+from conftest import max_logprob_gap, unique, vllm_model  # noqa: E402
 from test_streaming import collect  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -44,8 +44,6 @@ async def _greedy(client, prompts=PROMPTS, max_tokens=24) -> list[tuple[list[int
 async def _max_logprob_gap(vclient, weights) -> float:
     """Serve `weights`, sample, and compare every returned logprob with
     transformers' recomputation on the same weights (nats)."""
-    from transformers import AutoModelForCausalLM
-
     version = (await vclient.status()).policy_version + 1
     await vclient.push_weights(weights, version=version)
     prefix = unique("lp")
@@ -53,17 +51,7 @@ async def _max_logprob_gap(vclient, weights) -> float:
                                       group_id=f"{prefix}-{i}") for i, p in enumerate(PROMPTS)])
     samples = await collect(vclient, prefix, 2 * len(PROMPTS), timeout=120)
     assert all(s.min_version == s.max_version == version for s in samples)
-    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
-    model.load_state_dict(weights, strict=False)
-    model.tie_weights()
-    worst = 0.0
-    for s in samples:
-        ids = torch.tensor([s.prompt_token_ids + s.response_token_ids])
-        with torch.no_grad():
-            logits = model(ids).logits[0, len(s.prompt_token_ids) - 1 : -1]
-        ref = torch.log_softmax(logits.double(), -1).gather(1, torch.tensor(s.response_token_ids)[:, None])[:, 0]
-        worst = max(worst, float((ref - torch.tensor(s.logprobs, dtype=torch.float64)).abs().max()))
-    return worst
+    return max_logprob_gap(samples, MODEL, weights)
 
 
 async def test_logprobs_match_transformers_recomputation(vclient):

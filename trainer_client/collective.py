@@ -134,11 +134,7 @@ class GlooTrainerWeightTransferEngine:
 
     def shutdown(self) -> None:
         group, self.group, self.store = self.group, None, None
-        if group is not None:
-            try:
-                group.abort()
-            except Exception:
-                pass
+        wire.abort_group(group)
 
 
 class ServiceControl:

@@ -109,12 +109,8 @@ class WeightSync:
         If an engine fails, the serving version stays and the error is raised
         (each token's tag still names the weights that produced it)."""
         async with self.lock:
-            self.check_version(version)
             t0 = self._monotonic()
-            unfinished = work.unfinished()
-            plan = plan_carry_over(self.carry_over, unfinished, work.running_ids(), version)
-            for req in plan.preempt:
-                await work.preempt(req)
+            unfinished, plan = await self._plan(version, work)
             # An engine that is down (a dead Ray node may stay down for long)
             # does not block training: its restart applies these weights.
             live = self.fleet.live()
@@ -142,12 +138,8 @@ class WeightSync:
         `finish()` makes the version live on all; on any failure `abandon()`
         puts the previous weights back and the serving version stays."""
         async with self.lock:
-            self.check_version(version)
             t0 = self._monotonic()
-            unfinished = work.unfinished()
-            plan = plan_carry_over(self.carry_over, unfinished, work.running_ids(), version)
-            for req in plan.preempt:
-                await work.preempt(req)
+            unfinished, plan = await self._plan(version, work)
             staged = None
             try:
                 await accepted()
@@ -164,6 +156,16 @@ class WeightSync:
             # Without a staged copy a restarted engine serves the model's own
             # weights (tagged version 0) until the next push.
             return await self._live(version, staged, t0, plan, unfinished, work)
+
+    async def _plan(self, version: int, work: WorkOps) -> tuple[list[Request], CarryPlan]:
+        """Under the lock, before any byte is applied: check the version,
+        plan the carry-over, pause what the plan pauses."""
+        self.check_version(version)
+        unfinished = work.unfinished()
+        plan = plan_carry_over(self.carry_over, unfinished, work.running_ids(), version)
+        for req in plan.preempt:
+            await work.preempt(req)
+        return unfinished, plan
 
     async def _live(self, version: int, staged: StagedWeights | None, t0: float, plan: CarryPlan,
                     unfinished: list[Request], work: WorkOps) -> int:

@@ -80,11 +80,7 @@ class GroupReceiver:
 
     def close(self) -> None:
         group, self.group, self._store = self.group, None, None
-        if group is not None:
-            try:
-                group.abort()
-            except Exception:
-                pass
+        wire.abort_group(group)
         self._thread.shutdown(wait=False)
 
 

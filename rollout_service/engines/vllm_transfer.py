@@ -116,9 +116,5 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
 
     def shutdown(self) -> None:
         group, self.group, self.store = self.group, None, None
-        if group is not None:
-            try:
-                group.abort()
-            except Exception:
-                pass
+        collective.abort_group(group)
 
