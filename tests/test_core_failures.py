@@ -252,3 +252,41 @@ def test_a_request_every_engine_refuses_is_given_up_and_reported_not_retried_for
     assert got[1].finish_reason == FinishReason.ABORTED and "temperature must be at most 2" in got[1].drop_reason
     assert got[0].finish_reason == got[2].finish_reason == FinishReason.STOP
     assert core.counters["requests_requeued"] == MAX_FAILURES_WITHOUT_PROGRESS - 1
+
+
+def test_an_engine_that_dies_while_a_pause_resume_push_pauses_its_requests_delivers_each_sample_once():
+    """Under `pause-resume` the push pauses every running request. An engine
+    that stops while the push is still aborting requests on another engine
+    hands its requests back to the queue, and they may finish elsewhere
+    before the push ends: the push must not queue them again (each would
+    then run twice and be delivered twice)."""
+    from rollout_service.engines.weights import StagedWeights
+
+    class SlowAbort(SimEngine):
+        async def abort(self, request_id):
+            await asyncio.sleep(1.0)
+            return await super().abort(request_id)
+
+    async def main():
+        slow, other = SlowAbort("e0", SimParams(**FAST)), _engine("e1")
+        core = RolloutCore([slow, other], make_placement("least-assigned"), Clock(),
+                           carry_over=CarryOverConfig(mode="pause-resume"))
+        await core.start()
+        core.submit(_groups(2, [2000, 2000, 2000, 2000]))
+        await asyncio.sleep(0.1)
+        assert {core.requests.get(r).engine_id for r in core.running} == {"e0", "e1"}
+
+        async def stop_other_mid_push():
+            await asyncio.sleep(0.5)  # the push is aborting e0's requests, one by one
+            await other.close()
+
+        await asyncio.gather(core.update_weights(1, StagedWeights([])), stop_other_mid_push())
+        queued = [r.request_id for r in core.queue]
+        got = await _collect(core, 8)
+        await core.stop()
+        return queued, got
+
+    queued, got = run_virtual(main())
+    assert len(queued) == len(set(queued)), f"a request is queued twice: {sorted(queued)}"
+    ids = [(e.sample.group_id, e.sample.index) for e in got]
+    assert len(ids) == len(set(ids)) == 8, f"each sample exactly once, got {sorted(ids)}"

@@ -608,9 +608,19 @@ class RolloutCore:
 
     def requeue_front(self, reqs: list[Request]) -> None:
         """Queue carried requests ahead of new work, keeping their order (a
-        trajectory waiting for an observation stays waiting)."""
-        self.queue.extendleft(reversed([r for r in reqs if r.engine_id is None and not r.group.aborted
-                                        and not r.awaiting]))
+        trajectory waiting for an observation stays waiting). A request
+        whose engine stopped while the push was pausing the others was
+        re-queued by its runner, and may have run elsewhere since: one
+        queued stays where it is, one that finished is not queued again
+        (either would run and be delivered twice)."""
+        queued = {r.request_id for r in self.queue}
+        carried = []
+        for r in reqs:
+            if (r.engine_id is None and r.finish_reason is None and not r.group.aborted and not r.awaiting
+                    and r.request_id not in queued):
+                queued.add(r.request_id)
+                carried.append(r)
+        self.queue.extendleft(reversed(carried))
         self._wake.set()
 
     async def give_up(self, group: Group, reason: str) -> None:
