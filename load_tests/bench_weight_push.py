@@ -9,11 +9,14 @@ client and service in one process. The second (`--matrix`, on by default)
 pushes a 1 GiB float32 state dict to 2 simulated engines in a service of its
 own process (as a trainer and the service run), end to end (the client's
 call until the version is live on both engines), for each checksum
-algorithm and chunk size side by side, plus the same-host file path.
+algorithm and chunk size side by side, plus the same-host file path. With
+`--stall`, a request generates throughout on those engines: "stall ms" is the
+longest gap between its token deltas across a cell's pushes ("token gap ms":
+the usual gap), i.e. how long generation waited on the push.
 
     python -m load_tests.bench_weight_push [--quick] [--report DIR]
         [--no-matrix] [--matrix-gib 1] [--chunks-mb 1,4,8,16] [--repeats 2]
-        [--checksums none,xxh3,sha256]
+        [--checksums none,xxh3,sha256] [--digests trailer|header|both] [--stall]
 """
 from __future__ import annotations
 
@@ -88,18 +91,50 @@ async def measure(params: int) -> dict:
     }
 
 
-def _serve(conn, max_message_mb: int) -> None:
+async def _watch_tokens(service, stamps: list[float]) -> None:
+    """Generate without end on the service's engines, noting when each
+    token delta arrives (time.monotonic, comparable across processes)."""
+    from rollout_service.engines.types import SamplingParams
+    from rollout_service.lifecycle.types import GroupSpec
+
+    group = service.core.submit_private(GroupSpec(group_id="", prompt_token_ids=[1, 2, 3], num_samples=1,
+                                                  sampling=SamplingParams(max_tokens=1 << 30, ignore_eos=True)))
+    while True:
+        await group.listener.get()
+        stamps.append(time.monotonic())
+
+
+def _gaps(stamps: list[float], windows: list[tuple[float, float]]) -> tuple[float, float]:
+    """(median gap between token deltas outside the windows, longest gap
+    overlapping any window), in seconds."""
+    gaps = [(a, b) for a, b in zip(stamps, stamps[1:])]
+    inside = [b - a for a, b in gaps if any(a < w1 and b > w0 for w0, w1 in windows)]
+    outside = [b - a for a, b in gaps if not any(a < w1 and b > w0 for w0, w1 in windows)]
+    return (statistics.median(outside) if outside else 0.0), (max(inside) if inside else 0.0)
+
+
+def _serve(conn, max_message_mb: int, stall: bool = False) -> None:
     """The service, in a process of its own: sends its port, runs until told to stop."""
 
     async def run() -> None:
+        # A token delta every engine step (~4 ms), for the stall measurement.
         cfg = ServiceConfig(grpc_port=0, http_port=0, max_message_mb=max_message_mb,
-                            engine=EngineConfig(kind="sim", num_engines=2, sim={"weight_update_s": 0.0}))
+                            engine=EngineConfig(kind="sim", num_engines=2,
+                                                sim={"weight_update_s": 0.0, "max_run_steps": 1}))
         service = RolloutService(cfg)
         await service.start()
+        stamps: list[float] = []
+        watcher = asyncio.ensure_future(_watch_tokens(service, stamps)) if stall else None
         conn.send(service.grpc_port)
-        # "cpu": this process's CPU seconds so far (every thread); "stop".
-        while await asyncio.get_running_loop().run_in_executor(None, conn.recv) == "cpu":
-            conn.send(time.process_time())
+        # "cpu": this process's CPU seconds so far (every thread); ("gaps",
+        # windows): token-delta gaps (see _gaps); "stop".
+        while (cmd := await asyncio.get_running_loop().run_in_executor(None, conn.recv)) != "stop":
+            if cmd == "cpu":
+                conn.send(time.process_time())
+            else:
+                conn.send(_gaps(stamps, cmd[1]))
+        if watcher is not None:
+            watcher.cancel()
         await service.stop()
 
     asyncio.run(run())
@@ -118,18 +153,23 @@ def _gib_state_dict(gib: float) -> dict[str, np.ndarray]:
 
 
 async def _matrix(gib: float, chunk_mbs: list[float], repeats: int,
-                  algos: tuple = (False, "xxh3", "sha256")) -> list[dict]:
+                  algos: tuple = (False, "xxh3", "sha256"), digests: tuple = ("trailer",),
+                  stall: bool = False) -> list[dict]:
     sd = _gib_state_dict(gib)
     nbytes = sum(a.nbytes for a in sd.values())
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_serve, args=(child, 64), daemon=True)
+    proc = ctx.Process(target=_serve, args=(child, 64, stall), daemon=True)
     proc.start()
     rows: list[dict] = []
     loop = asyncio.get_running_loop()
 
     async def server_cpu() -> float:
         parent.send("cpu")
+        return await loop.run_in_executor(None, parent.recv)
+
+    async def token_gaps(windows: list[tuple[float, float]]) -> tuple[float, float]:
+        parent.send(("gaps", windows))
         return await loop.run_in_executor(None, parent.recv)
 
     try:
@@ -140,29 +180,35 @@ async def _matrix(gib: float, chunk_mbs: list[float], repeats: int,
             await client.push_weights({"warmup": np.ones(1024, np.float32)}, version=(version := version + 1))
             for checksums in algos:
                 for chunk_mb in chunk_mbs:
-                    times, cpu = [], []
-                    for _ in range(repeats):
-                        c0, s0 = time.process_time(), await server_cpu()
-                        t = time.perf_counter()
-                        reply = await client.push_weights(sd, version=(version := version + 1), chunk_mb=chunk_mb,
-                                                          checksums=checksums)
-                        times.append(time.perf_counter() - t)
-                        cpu.append((time.process_time() - c0, await server_cpu() - s0))
-                        assert reply.applied_version == version
-                    rows.append(_row("grpc", checksums or "none", chunk_mb, nbytes, times, cpu))
+                    for where in digests if checksums else ("-",):
+                        times, cpu, windows = [], [], []
+                        for _ in range(repeats):
+                            c0, s0 = time.process_time(), await server_cpu()
+                            t, m = time.perf_counter(), time.monotonic()
+                            reply = await client.push_weights(sd, version=(version := version + 1),
+                                                              chunk_mb=chunk_mb, checksums=checksums,
+                                                              checksum_trailer=where == "trailer")
+                            times.append(time.perf_counter() - t)
+                            windows.append((m, time.monotonic()))
+                            cpu.append((time.process_time() - c0, await server_cpu() - s0))
+                            assert reply.applied_version == version
+                        rows.append(_row("grpc", checksums or "none", chunk_mb, nbytes, times, cpu, where,
+                                         await token_gaps(windows)))
             directory = "/dev/shm" if os.path.isdir("/dev/shm") else None
-            times, cpu = [], []
+            times, cpu, windows = [], [], []
             for _ in range(repeats):
                 with tempfile.NamedTemporaryFile(suffix=".safetensors", dir=directory) as f:
                     tensors = [WeightTensor(k, "float32", v.shape, memoryview(v).cast("B")) for k, v in sd.items()]
                     c0, s0 = time.process_time(), await server_cpu()
                     t = time.perf_counter()
                     write_safetensors(f.name, tensors)  # the trainer's side of the fast path
+                    m = time.monotonic()  # the service's part: from the call
                     reply = await client.push_weights_file(f.name, version=(version := version + 1))
                     times.append(time.perf_counter() - t)
+                    windows.append((m, time.monotonic()))
                     cpu.append((time.process_time() - c0, await server_cpu() - s0))
                     assert reply.applied_version == version
-            rows.append(_row("file", "none", 0, nbytes, times, cpu))
+            rows.append(_row("file", "none", 0, nbytes, times, cpu, gaps=await token_gaps(windows)))
     finally:
         parent.send("stop")
         proc.join(30)
@@ -172,16 +218,19 @@ async def _matrix(gib: float, chunk_mbs: list[float], repeats: int,
 
 
 def _row(path: str, checksums: str, chunk_mb: float, nbytes: int, times: list[float],
-         cpu: list[tuple[float, float]]) -> dict:
-    """Wall-clock figures, and CPU seconds per GB on each side (every
-    thread of the process; less sensitive to other load on the host)."""
+         cpu: list[tuple[float, float]], digests: str = "-", gaps: tuple[float, float] = (0.0, 0.0)) -> dict:
+    """Wall-clock figures, CPU seconds per GB on each side (every thread of
+    the process; less sensitive to other load on the host), and the
+    generation stall: the longest gap between a running request's token
+    deltas across the pushes, against the usual gap."""
     best = min(times)
     gb = nbytes / 1e9
-    return {"path": path, "checksums": checksums, "chunk_mb": chunk_mb, "bytes": nbytes, "engines": 2,
+    return {"path": path, "checksums": checksums, "digests": digests, "chunk_mb": chunk_mb, "bytes": nbytes, "engines": 2,
             "best_s": round(best, 3), "mean_s": round(statistics.fmean(times), 3),
             "best_gb_per_s": round(gb / best, 2), "mean_gb_per_s": round(gb / statistics.fmean(times), 2),
             "client_cpu_s_per_gb": round(min(c for c, _ in cpu) / gb, 2),
             "server_cpu_s_per_gb": round(min(s for _, s in cpu) / gb, 2),
+            "token_gap_median_ms": round(gaps[0] * 1e3, 1), "token_gap_max_ms": round(gaps[1] * 1e3, 1),
             "runs": len(times)}
 
 
@@ -194,6 +243,12 @@ def main() -> None:
     p.add_argument("--chunks-mb", default="1,4,8,16", help="chunk sizes of the matrix, MiB")
     p.add_argument("--repeats", type=int, default=2, help="pushes per matrix cell (best and mean reported)")
     p.add_argument("--checksums", default="none,xxh3,sha256", help="checksum choices of the matrix")
+    p.add_argument("--stall", action="store_true",
+                   help="generate on the engines throughout and report the longest gap in the token deltas across "
+                        "each cell's pushes (costs the service some CPU: compare throughput without it)")
+    p.add_argument("--digests", default="trailer",
+                   help="where the digests go: trailer (after the data, hashed while streaming; the default), "
+                        "header (hashed before streaming, as clients before the trailer), or both")
     args = p.parse_args()
     sizes = [10_000_000] if args.quick else [10_000_000, 100_000_000]
     rows = []
@@ -211,17 +266,18 @@ def main() -> None:
     chunk_mbs = [float(c) for c in args.chunks_mb.split(",")]
     load_before = os.getloadavg()
     algos = tuple(False if c == "none" else c for c in args.checksums.split(","))
-    matrix = asyncio.run(_matrix(args.matrix_gib, chunk_mbs, args.repeats, algos))
+    digests = ("header", "trailer") if args.digests == "both" else tuple(args.digests.split(","))
+    matrix = asyncio.run(_matrix(args.matrix_gib, chunk_mbs, args.repeats, algos, digests, args.stall))
     load_after = os.getloadavg()
     print(f"\n{args.matrix_gib:g} GiB float32 to 2 sim engines, service in its own process, end to end "
           f"(best / mean of {args.repeats}); load average {load_before[0]:.2f} before, {load_after[0]:.2f} after")
-    print(f"{'path':>6}{'checksums':>11}{'chunk MiB':>11}{'best s':>9}{'GB/s':>7}{'mean s':>9}{'GB/s':>7}"
-          f"{'client CPU s/GB':>17}{'server CPU s/GB':>17}")
+    print(f"{'path':>6}{'checksums':>11}{'digests':>9}{'chunk MiB':>11}{'best s':>9}{'GB/s':>7}{'mean s':>9}{'GB/s':>7}"
+          f"{'client CPU s/GB':>17}{'server CPU s/GB':>17}{'token gap ms':>14}{'stall ms':>10}")
     for r in matrix:
         chunk = f"{r['chunk_mb']:g}" if r["path"] == "grpc" else "-"
-        print(f"{r['path']:>6}{r['checksums']:>11}{chunk:>11}{r['best_s']:>9.3f}{r['best_gb_per_s']:>7.2f}"
+        print(f"{r['path']:>6}{r['checksums']:>11}{r['digests']:>9}{chunk:>11}{r['best_s']:>9.3f}{r['best_gb_per_s']:>7.2f}"
               f"{r['mean_s']:>9.3f}{r['mean_gb_per_s']:>7.2f}{r['client_cpu_s_per_gb']:>17.2f}"
-              f"{r['server_cpu_s_per_gb']:>17.2f}")
+              f"{r['server_cpu_s_per_gb']:>17.2f}{r['token_gap_median_ms']:>14.1f}{r['token_gap_max_ms']:>10.1f}")
     if args.report:
         (Path(args.report) / "weight_push_matrix.json").write_text(json.dumps(
             {"loadavg_before": load_before, "loadavg_after": load_after, "rows": matrix}, indent=2))

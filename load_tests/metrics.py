@@ -215,12 +215,14 @@ class FleetProbe:
     """Samples every engine's running batch at a fixed interval (for the
     timeline plot and for busy fractions of engines that keep no counters)."""
 
-    def __init__(self, engines: dict, now, interval_s: float) -> None:
+    def __init__(self, engines: dict, now, interval_s: float, tools=None) -> None:
         self.engines = engines
         self.now = now
         self.interval_s = interval_s
         self.times: list[float] = []
         self.running: list[list[int]] = []
+        self.tools_fn = tools  # multi-turn: tool calls in flight now
+        self.tools: list[int] = []
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -232,6 +234,8 @@ class FleetProbe:
     def sample(self) -> None:
         self.times.append(self.now())
         self.running.append([e.load().running for e in self.engines.values()])
+        if self.tools_fn is not None:
+            self.tools.append(int(self.tools_fn()))
 
     async def _loop(self) -> None:
         while True:
@@ -255,6 +259,12 @@ class Counters:
     slot_s: list[float] | None
     migrations: int
     tokens_reprefilled: int
+    prefix_queried: int = 0  # engines' prefix-cache lookups (tokens), summed
+    prefix_hits: int = 0
+    continued_queried: int = 0  # of those, requests continuing a response (simulated engines)
+    continued_hits: int = 0
+    prefilled: int = 0  # tokens prefilled (simulated engines)
+    observation_tokens: int = 0  # multi-turn: observation tokens appended by the core
 
     @classmethod
     def read(cls, fleet) -> "Counters":
@@ -267,6 +277,12 @@ class Counters:
             slot if all(s is not None for s in slot) else None,
             int(counters.get("migrations", 0)),
             int(counters.get("tokens_reprefilled", 0)),
+            sum(e.load().prefix_cache_queried_tokens for e in engines),
+            sum(e.load().prefix_cache_hit_tokens for e in engines),
+            sum(getattr(e, "continued_queried_tokens", 0) for e in engines),
+            sum(getattr(e, "continued_hit_tokens", 0) for e in engines),
+            sum(getattr(e, "prefill_tokens", 0) for e in engines),
+            int(counters.get("observation_tokens", 0)),
         )
 
 

@@ -53,6 +53,8 @@ def table(results: list[RunResult]) -> str:
     head = (f"{'policy':<22} {'makespan s':>11} {'bound s':>9} {'x bound':>8} {'tokens/s':>10} "
             f"{'groups/s':>9} {'slots':>6} {'busy':>6} {'p99 lat s':>10} {'delivered':>10} {'wall s':>7}")
     lines = [head, "-" * len(head)]
+    if results and results[0].summary.get("multi_turn"):
+        return multi_turn_table(results)
     for r in results:
         s = r.summary
         ratio = f"{s['ratio_to_bound']:.2f}" if s["ratio_to_bound"] else "-"
@@ -62,6 +64,25 @@ def table(results: list[RunResult]) -> str:
             f"{s['busy_fraction']:>6.3f} {s['latency_p99_s']:>10.2f} "
             f"{s['samples_delivered']:>5}/{s['samples_submitted']:<4} {s['wall_s']:>7.1f}"
         )
+    return "\n".join(lines)
+
+
+def multi_turn_table(results: list[RunResult]) -> str:
+    """The multi-turn figures (load_tests/multiturn.py), one row per policy;
+    the speedup is each policy's step makespan against the first policy's."""
+    head = (f"{'policy':<34} {'makespan s':>11} {'speedup':>8} {'bound s':>8} {'x bound':>8} {'cache hit':>10} "
+            f"{'idle/tools':>11} {'trained tok/s':>14} {'moves':>6} {'delivered':>11}")
+    lines = [head, "-" * len(head)]
+    base = results[0].summary["makespan_s"] if results else 0.0
+    for r in results:
+        s = r.summary
+        ratio = f"{s['ratio_to_bound']:.2f}" if s.get("ratio_to_bound") else "-"
+        delivered = s.get("samples_delivered_with_drain", s["samples_delivered"])
+        lines.append(
+            f"{r.policy:<34} {s['makespan_s']:>11.2f} {base / s['makespan_s'] if s['makespan_s'] else 0:>7.2f}x "
+            f"{s['lower_bound_s']:>8.2f} {ratio:>8} {s['prefix_cache_hit_rate']:>10.3f} "
+            f"{s['engine_idle_while_tools']:>11.3f} {s['trained_tokens_per_s']:>14.0f} "
+            f"{s.get('trajectory_moves', 0):>6} {delivered:>5}/{s['samples_submitted']:<5}")
     return "\n".join(lines)
 
 

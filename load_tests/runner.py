@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from load_tests import driver
+from load_tests import driver, multiturn
 from load_tests.metrics import CostModel, Counters, FleetProbe, step_metrics, summarise
 from load_tests.targets import FleetSpec, grpc_fleet, in_process_fleet
 from load_tests.workloads import Workload
@@ -72,21 +72,28 @@ class RunResult:
     records: list[driver.StepRecord] = field(default_factory=list, repr=False)  # every delivered sample
 
 
-def fleet_spec(cfg: RunConfig, policy: PolicySpec) -> FleetSpec:
+def fleet_spec(cfg: RunConfig, policy: PolicySpec, environments: dict | None = None) -> FleetSpec:
     w = cfg.workload
     longest_prompt = max(g.prompt_len for s in w.steps for g in s)
+    sim = dict(cfg.sim)
+    longest = w.max_tokens
+    if w.multi_turn:
+        # Prefill is charged only for context not in the engine's prefix cache.
+        sim.setdefault("prefix_cache", True)
+        longest = max(w.max_tokens, multiturn.longest_response(w))
     return FleetSpec(
         engines=cfg.engines,
         policy=policy,
         kind=cfg.engine_kind,
         max_seqs=cfg.max_seqs,
         kv_tokens=cfg.kv_tokens,
-        sim=dict(cfg.sim),
+        sim=sim,
         model=cfg.model,
         # Simulated engines take any length; real ones keep their model's limit.
-        max_model_len=longest_prompt + w.max_tokens + 1 if cfg.engine_kind == "sim" else 0,
+        max_model_len=longest_prompt + longest + 1 if cfg.engine_kind == "sim" else 0,
         vocab_size=w.vocab_size,
         max_version_lag=cfg.max_version_lag,
+        environments=dict(environments or {}),
     )
 
 
@@ -129,14 +136,15 @@ async def run_async(cfg: RunConfig, policy: PolicySpec, on_fleet=None) -> RunRes
     """`run_policy` on the running event loop (real clock: the caller's loop).
     `on_fleet(fleet)`, if given, is called once the fleet is up (to instrument it)."""
     cfg.check()
-    spec = fleet_spec(cfg, policy)
+    w = cfg.workload
+    env = multiturn.environment(w) if w.multi_turn else None
+    spec = fleet_spec(cfg, policy, {multiturn.ENV_NAME: env} if env is not None else None)
     fleet_of = in_process_fleet if cfg.clock == "virtual" else grpc_fleet
     keep_tokens = cfg.engine_kind != "sim" and any(g.problem is not None for s in cfg.workload.steps for g in s)
     wall0 = time.perf_counter()
     async with fleet_of(spec, keep_tokens=keep_tokens) as fleet:
         if on_fleet is not None:
             on_fleet(fleet)
-        w = cfg.workload
         if cfg.engine_kind != "sim":
             need = max(g.prompt_len for s in w.steps for g in s) + w.max_tokens
             if need > fleet.max_model_len:
@@ -146,7 +154,10 @@ async def run_async(cfg: RunConfig, policy: PolicySpec, on_fleet=None) -> RunRes
         interval = _estimate_span(w, cost, cfg.engines) / 400
         if cfg.clock == "real":
             interval = max(0.02, interval)
-        probe = FleetProbe(fleet.engines, fleet.target.now, max(interval, 1e-6))
+        if w.multi_turn:
+            interval = multiturn.PROBE_INTERVAL_S
+        probe = FleetProbe(fleet.engines, fleet.target.now, max(interval, 1e-6),
+                           tools=(lambda: env.in_flight) if env is not None else None)
         starts: dict[int, Counters] = {}
         step_out: list[dict] = []
         n_steps = len(w.steps) if cfg.mode == "closed" else 1
@@ -157,6 +168,9 @@ async def run_async(cfg: RunConfig, policy: PolicySpec, on_fleet=None) -> RunRes
         def on_end(record: driver.StepRecord) -> None:
             probe.sample()
             m = step_metrics(record, starts[record.step], Counters.read(fleet), probe, cost, cfg.engines)
+            if w.multi_turn:
+                m.update(multiturn.step_metrics(record, starts[record.step], Counters.read(fleet), probe, cost,
+                                                cfg.engines, w))
             step_out.append(m)
             if cfg.progress:
                 _progress(policy.name, m, n_steps, wall0)
@@ -179,6 +193,10 @@ async def run_async(cfg: RunConfig, policy: PolicySpec, on_fleet=None) -> RunRes
         finally:
             await probe.stop()
     summary = summarise(step_out, records, cfg.engines)
+    if w.multi_turn:
+        summary.update(multiturn.summarise(step_out, records))
+        summary["trajectory_moves"] = int(fleet.core.counters.get("trajectory_moves", 0))
+        summary["tool_calls"] = env.calls
     if extra:
         summary.update(partial_summary(extra, records, summary, cfg))
     summary.update({

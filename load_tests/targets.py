@@ -25,7 +25,7 @@ from rollout_service.config import EngineConfig, ServiceConfig
 from rollout_service.core.clock import Clock
 from rollout_service.core.rollout import RolloutCore
 from rollout_service.engines.types import SamplingParams
-from rollout_service.lifecycle.types import GroupSpec
+from rollout_service.lifecycle.types import GroupSpec, MultiTurnSpec
 from rollout_service.drafter.mechanisms import mechanism_spec
 from rollout_service.drafter.runtime import SpecRuntime
 from rollout_service.factory import make_engines, model_info
@@ -56,6 +56,13 @@ class FleetSpec:
     vocab_size: int = 0  # > 0: simulated engines accept this vocabulary (real prompts)
     kv_cache_gib: float = 1.0  # vLLM engines
     max_version_lag: int = -1  # partial rollout: staleness bound (-1: none)
+    environments: dict = field(default_factory=dict)  # multi-turn: name -> environment hook (in process)
+
+    @property
+    def affinity(self) -> bool:
+        """Session affinity (multi-turn): only with the `affinity` mechanism,
+        so that `least-assigned` is the baseline placing every turn anew."""
+        return self.policy.has("affinity")
 
     def rebalance(self) -> RebalanceConfig:
         return RebalanceConfig(enabled=self.policy.has("rebalance"), isolate_tail=self.policy.has("isolate"),
@@ -66,7 +73,7 @@ class FleetSpec:
 
     def engine_config(self) -> EngineConfig:
         spec, others = mechanism_spec(self.policy.mechanisms)  # "spec", "spec-ngram" -> [engine.spec]
-        unknown = set(others) - {"rebalance", "isolate", "repack", "partial"}
+        unknown = set(others) - {"rebalance", "isolate", "repack", "partial", "affinity"}
         if unknown:
             raise ValueError(f"policy {self.policy.name!r}: the load-test harness does not switch on {sorted(unknown)}")
         if self.kind == "sim":
@@ -80,7 +87,8 @@ class FleetSpec:
 
     def service_config(self) -> ServiceConfig:
         return ServiceConfig(grpc_port=0, http_port=0, placement=self.policy.placement, log_level="WARNING",
-                             engine=self.engine_config(), rebalance=self.rebalance(), carry_over=self.carry_over())
+                             engine=self.engine_config(), rebalance=self.rebalance(), carry_over=self.carry_over(),
+                             session_affinity=self.affinity)
 
 
 @dataclass(slots=True)
@@ -109,6 +117,9 @@ def _staged(state: dict):
 
 
 def _completion(sample, prompt_len: int, keep_tokens: bool) -> Completion:
+    mask = getattr(sample, "loss_mask", None)  # the core's list (the client's Sample has a method of that name)
+    mask = list(mask) if isinstance(mask, list) else []
+    turns = list(getattr(sample, "turns", None) or [])
     return Completion(
         sample_id=sample.sample_id,
         group_id=sample.group_id,
@@ -124,6 +135,9 @@ def _completion(sample, prompt_len: int, keep_tokens: bool) -> Completion:
         response_token_ids=list(sample.response_token_ids) if keep_tokens else None,
         min_version=sample.versions.min_version if hasattr(sample.versions, "min_version") else sample.min_version,
         max_version=sample.versions.max_version if hasattr(sample.versions, "max_version") else sample.max_version,
+        generated_len=sum(mask) if mask else -1,
+        turns=sum(1 for t in turns if t.kind == "generated"),
+        tool_s=sum(t.tool_s for t in turns if t.kind == "observation"),
     )
 
 
@@ -138,7 +152,8 @@ class InProcessTarget:
     async def submit(self, groups: list[GroupRequest]) -> None:
         self.core.submit([
             GroupSpec(g.group_id, g.prompt_token_ids, g.num_samples,
-                      SamplingParams(max_tokens=g.max_tokens, temperature=g.temperature), metadata=g.metadata())
+                      SamplingParams(max_tokens=g.max_tokens, temperature=g.temperature), metadata=g.metadata(),
+                      multi_turn=MultiTurnSpec(max_turns=g.max_turns, environment="trace") if g.trajectories else None)
             for g in groups
         ])
 
@@ -146,6 +161,8 @@ class InProcessTarget:
         delivery = self.core.delivery
         async for entry in delivery.stream(self.consumer_id):
             s = entry.sample
+            if getattr(s, "awaiting_observation", False):
+                continue  # a turn event, not a finished trajectory
             yield _completion(s, len(s.prompt_token_ids), self.keep_tokens)
             if entry.cursor % 256 == 0:
                 delivery.ack(self.consumer_id, entry.cursor)  # frees what was consumed
@@ -169,6 +186,9 @@ class GrpcTarget:
     async def submit(self, groups: list[GroupRequest]) -> None:
         from trainer_client import PromptGroup
 
+        if any(g.trajectories for g in groups):
+            raise ValueError("multi-turn workloads replay in process (--clock virtual); over gRPC the trace "
+                             "environment would have to be configured in the service")
         await self.client.submit([
             PromptGroup(prompt_token_ids=g.prompt_token_ids, num_samples=g.num_samples, max_tokens=g.max_tokens,
                         temperature=g.temperature, group_id=g.group_id, metadata=g.metadata())
@@ -196,7 +216,8 @@ async def in_process_fleet(spec: FleetSpec, keep_tokens: bool = False) -> AsyncI
     info = model_info(cfg)
     rebalance = spec.rebalance()
     core = RolloutCore(make_engines(cfg, info), make_placement(spec.policy.placement), Clock(),
-                       rebalance=rebalance if rebalance.enabled else None, carry_over=spec.carry_over())
+                       rebalance=rebalance if rebalance.enabled else None, carry_over=spec.carry_over(),
+                       environments=spec.environments, affinity=spec.affinity)
     await core.start()
     drafter = SpecRuntime(core, cfg.spec)  # depth tuner, online drafter
     await drafter.start()

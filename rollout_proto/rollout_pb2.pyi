@@ -19,23 +19,25 @@ FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORTED: FinishReason
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "max_tokens", "stop_token_ids", "seed")
+    __slots__ = ("temperature", "top_p", "top_k", "max_tokens", "stop_token_ids", "seed", "stop")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
     max_tokens: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     seed: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ...) -> None: ...
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PromptGroup(_message.Message):
-    __slots__ = ("group_id", "prompt_token_ids", "prompt_text", "num_samples", "sampling", "prompt_id", "metadata")
+    __slots__ = ("group_id", "prompt_token_ids", "prompt_text", "num_samples", "sampling", "prompt_id", "metadata", "multi_turn")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +52,7 @@ class PromptGroup(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PROMPT_ID_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
+    MULTI_TURN_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     prompt_text: str
@@ -57,7 +60,8 @@ class PromptGroup(_message.Message):
     sampling: SamplingParams
     prompt_id: str
     metadata: _containers.ScalarMap[str, str]
-    def __init__(self, group_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., num_samples: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., prompt_id: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    multi_turn: MultiTurn
+    def __init__(self, group_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., num_samples: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., prompt_id: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., multi_turn: _Optional[_Union[MultiTurn, _Mapping]] = ...) -> None: ...
 
 class SubmitRequest(_message.Message):
     __slots__ = ("groups", "batch_id")
@@ -112,7 +116,7 @@ class SpecStats(_message.Message):
     def __init__(self, draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("sample_id", "group_id", "index", "prompt_id", "prompt_token_ids", "response_token_ids", "logprobs", "versions", "min_version", "max_version", "finish_reason", "engines", "num_migrations", "timing", "spec", "response_text", "metadata", "batch_id", "drop_reason")
+    __slots__ = ("sample_id", "group_id", "index", "prompt_id", "prompt_token_ids", "response_token_ids", "logprobs", "versions", "min_version", "max_version", "finish_reason", "engines", "num_migrations", "timing", "spec", "response_text", "metadata", "batch_id", "drop_reason", "turns", "loss_mask")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +143,8 @@ class Sample(_message.Message):
     METADATA_FIELD_NUMBER: _ClassVar[int]
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     DROP_REASON_FIELD_NUMBER: _ClassVar[int]
+    TURNS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
     sample_id: str
     group_id: str
     index: int
@@ -158,17 +164,21 @@ class Sample(_message.Message):
     metadata: _containers.ScalarMap[str, str]
     batch_id: str
     drop_reason: str
-    def __init__(self, sample_id: _Optional[str] = ..., group_id: _Optional[str] = ..., index: _Optional[int] = ..., prompt_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., response_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., versions: _Optional[_Iterable[_Union[VersionSegment, _Mapping]]] = ..., min_version: _Optional[int] = ..., max_version: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., engines: _Optional[_Iterable[str]] = ..., num_migrations: _Optional[int] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., spec: _Optional[_Union[SpecStats, _Mapping]] = ..., response_text: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., batch_id: _Optional[str] = ..., drop_reason: _Optional[str] = ...) -> None: ...
+    turns: _containers.RepeatedCompositeFieldContainer[Turn]
+    loss_mask: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, sample_id: _Optional[str] = ..., group_id: _Optional[str] = ..., index: _Optional[int] = ..., prompt_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., response_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., versions: _Optional[_Iterable[_Union[VersionSegment, _Mapping]]] = ..., min_version: _Optional[int] = ..., max_version: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., engines: _Optional[_Iterable[str]] = ..., num_migrations: _Optional[int] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., spec: _Optional[_Union[SpecStats, _Mapping]] = ..., response_text: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., batch_id: _Optional[str] = ..., drop_reason: _Optional[str] = ..., turns: _Optional[_Iterable[_Union[Turn, _Mapping]]] = ..., loss_mask: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SampleEvent(_message.Message):
-    __slots__ = ("cursor", "sample", "group_complete")
+    __slots__ = ("cursor", "sample", "group_complete", "awaiting_observation")
     CURSOR_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     GROUP_COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    AWAITING_OBSERVATION_FIELD_NUMBER: _ClassVar[int]
     cursor: int
     sample: Sample
     group_complete: bool
-    def __init__(self, cursor: _Optional[int] = ..., sample: _Optional[_Union[Sample, _Mapping]] = ..., group_complete: _Optional[bool] = ...) -> None: ...
+    awaiting_observation: bool
+    def __init__(self, cursor: _Optional[int] = ..., sample: _Optional[_Union[Sample, _Mapping]] = ..., group_complete: _Optional[bool] = ..., awaiting_observation: _Optional[bool] = ...) -> None: ...
 
 class AckRequest(_message.Message):
     __slots__ = ("consumer_id", "cursor")
@@ -215,12 +225,20 @@ class WeightsHeader(_message.Message):
     def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., file_path: _Optional[str] = ..., target: _Optional[str] = ..., checksum_algo: _Optional[str] = ...) -> None: ...
 
 class WeightsChunk(_message.Message):
-    __slots__ = ("header", "data")
+    __slots__ = ("header", "data", "trailer")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    TRAILER_FIELD_NUMBER: _ClassVar[int]
     header: WeightsHeader
     data: bytes
-    def __init__(self, header: _Optional[_Union[WeightsHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    trailer: WeightsTrailer
+    def __init__(self, header: _Optional[_Union[WeightsHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., trailer: _Optional[_Union[WeightsTrailer, _Mapping]] = ...) -> None: ...
+
+class WeightsTrailer(_message.Message):
+    __slots__ = ("digests",)
+    DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    digests: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, digests: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PushWeightsResponse(_message.Message):
     __slots__ = ("applied_version", "bytes_received", "seconds")
@@ -388,3 +406,133 @@ class SpecStatus(_message.Message):
     trainer_rounds: int
     engines: _containers.RepeatedCompositeFieldContainer[SpecEngineStatus]
     def __init__(self, method: _Optional[str] = ..., tune: _Optional[bool] = ..., train: _Optional[bool] = ..., draft_version: _Optional[int] = ..., trained_on_policy_version: _Optional[int] = ..., trainer_rounds: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[SpecEngineStatus, _Mapping]]] = ...) -> None: ...
+
+class MultiTurn(_message.Message):
+    __slots__ = ("max_turns", "max_total_tokens", "environment")
+    MAX_TURNS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ENVIRONMENT_FIELD_NUMBER: _ClassVar[int]
+    max_turns: int
+    max_total_tokens: int
+    environment: str
+    def __init__(self, max_turns: _Optional[int] = ..., max_total_tokens: _Optional[int] = ..., environment: _Optional[str] = ...) -> None: ...
+
+class Turn(_message.Message):
+    __slots__ = ("kind", "start", "length", "engine_id", "finish_reason", "started_at", "finished_at", "tool_seconds")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[Turn.Kind]
+        KIND_GENERATED: _ClassVar[Turn.Kind]
+        KIND_OBSERVATION: _ClassVar[Turn.Kind]
+    KIND_UNSPECIFIED: Turn.Kind
+    KIND_GENERATED: Turn.Kind
+    KIND_OBSERVATION: Turn.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
+    TOOL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    kind: Turn.Kind
+    start: int
+    length: int
+    engine_id: str
+    finish_reason: FinishReason
+    started_at: float
+    finished_at: float
+    tool_seconds: float
+    def __init__(self, kind: _Optional[_Union[Turn.Kind, str]] = ..., start: _Optional[int] = ..., length: _Optional[int] = ..., engine_id: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., tool_seconds: _Optional[float] = ...) -> None: ...
+
+class ContinueRequest(_message.Message):
+    __slots__ = ("sample_id", "turn", "observation_token_ids", "observation_text", "done")
+    SAMPLE_ID_FIELD_NUMBER: _ClassVar[int]
+    TURN_FIELD_NUMBER: _ClassVar[int]
+    OBSERVATION_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    OBSERVATION_TEXT_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    sample_id: str
+    turn: int
+    observation_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    observation_text: str
+    done: bool
+    def __init__(self, sample_id: _Optional[str] = ..., turn: _Optional[int] = ..., observation_token_ids: _Optional[_Iterable[int]] = ..., observation_text: _Optional[str] = ..., done: _Optional[bool] = ...) -> None: ...
+
+class ContinueResponse(_message.Message):
+    __slots__ = ("applied",)
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    applied: bool
+    def __init__(self, applied: _Optional[bool] = ...) -> None: ...
+
+class WeightTransferPlanRequest(_message.Message):
+    __slots__ = ("backend",)
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    backend: str
+    def __init__(self, backend: _Optional[str] = ...) -> None: ...
+
+class WeightTransferPlan(_message.Message):
+    __slots__ = ("backend", "world_size", "engine_ids", "first_ranks", "stager_rank")
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_IDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_RANKS_FIELD_NUMBER: _ClassVar[int]
+    STAGER_RANK_FIELD_NUMBER: _ClassVar[int]
+    backend: str
+    world_size: int
+    engine_ids: _containers.RepeatedScalarFieldContainer[str]
+    first_ranks: _containers.RepeatedScalarFieldContainer[int]
+    stager_rank: int
+    def __init__(self, backend: _Optional[str] = ..., world_size: _Optional[int] = ..., engine_ids: _Optional[_Iterable[str]] = ..., first_ranks: _Optional[_Iterable[int]] = ..., stager_rank: _Optional[int] = ...) -> None: ...
+
+class InitWeightTransferRequest(_message.Message):
+    __slots__ = ("backend", "master_address", "master_port", "world_size", "timeout_s", "options_json")
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    MASTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_JSON_FIELD_NUMBER: _ClassVar[int]
+    backend: str
+    master_address: str
+    master_port: int
+    world_size: int
+    timeout_s: float
+    options_json: str
+    def __init__(self, backend: _Optional[str] = ..., master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., timeout_s: _Optional[float] = ..., options_json: _Optional[str] = ...) -> None: ...
+
+class CollectiveUpdateRequest(_message.Message):
+    __slots__ = ("version", "tensors")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
+
+class CollectiveUpdateEvent(_message.Message):
+    __slots__ = ("phase", "applied_version", "seconds")
+    class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        PHASE_UNSPECIFIED: _ClassVar[CollectiveUpdateEvent.Phase]
+        ACCEPTED: _ClassVar[CollectiveUpdateEvent.Phase]
+        RECEIVED: _ClassVar[CollectiveUpdateEvent.Phase]
+        LIVE: _ClassVar[CollectiveUpdateEvent.Phase]
+    PHASE_UNSPECIFIED: CollectiveUpdateEvent.Phase
+    ACCEPTED: CollectiveUpdateEvent.Phase
+    RECEIVED: CollectiveUpdateEvent.Phase
+    LIVE: CollectiveUpdateEvent.Phase
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    phase: CollectiveUpdateEvent.Phase
+    applied_version: int
+    seconds: float
+    def __init__(self, phase: _Optional[_Union[CollectiveUpdateEvent.Phase, str]] = ..., applied_version: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class CloseWeightTransferRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CloseWeightTransferResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

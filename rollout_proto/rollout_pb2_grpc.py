@@ -64,6 +64,31 @@ class RolloutServiceStub:
                 request_serializer=rollout_dot_v1_dot_rollout__pb2.StatusRequest.SerializeToString,
                 response_deserializer=rollout_dot_v1_dot_rollout__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.Continue = channel.unary_unary(
+                '/rollout.v1.RolloutService/Continue',
+                request_serializer=rollout_dot_v1_dot_rollout__pb2.ContinueRequest.SerializeToString,
+                response_deserializer=rollout_dot_v1_dot_rollout__pb2.ContinueResponse.FromString,
+                _registered_method=True)
+        self.GetWeightTransferPlan = channel.unary_unary(
+                '/rollout.v1.RolloutService/GetWeightTransferPlan',
+                request_serializer=rollout_dot_v1_dot_rollout__pb2.WeightTransferPlanRequest.SerializeToString,
+                response_deserializer=rollout_dot_v1_dot_rollout__pb2.WeightTransferPlan.FromString,
+                _registered_method=True)
+        self.InitWeightTransfer = channel.unary_unary(
+                '/rollout.v1.RolloutService/InitWeightTransfer',
+                request_serializer=rollout_dot_v1_dot_rollout__pb2.InitWeightTransferRequest.SerializeToString,
+                response_deserializer=rollout_dot_v1_dot_rollout__pb2.WeightTransferPlan.FromString,
+                _registered_method=True)
+        self.CollectiveUpdate = channel.unary_stream(
+                '/rollout.v1.RolloutService/CollectiveUpdate',
+                request_serializer=rollout_dot_v1_dot_rollout__pb2.CollectiveUpdateRequest.SerializeToString,
+                response_deserializer=rollout_dot_v1_dot_rollout__pb2.CollectiveUpdateEvent.FromString,
+                _registered_method=True)
+        self.CloseWeightTransfer = channel.unary_unary(
+                '/rollout.v1.RolloutService/CloseWeightTransfer',
+                request_serializer=rollout_dot_v1_dot_rollout__pb2.CloseWeightTransferRequest.SerializeToString,
+                response_deserializer=rollout_dot_v1_dot_rollout__pb2.CloseWeightTransferResponse.FromString,
+                _registered_method=True)
 
 
 class RolloutServiceServicer:
@@ -94,8 +119,9 @@ class RolloutServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PushWeights(self, request_iterator, context):
-        """A WeightsHeader message first, then the tensor bytes in manifest order.
-        Applied atomically at a safe point after every checksum has verified.
+        """A WeightsHeader message first, then the tensor bytes in manifest order
+        (then a WeightsTrailer when the digests follow the data). Applied
+        atomically at a safe point after every checksum has verified.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -110,6 +136,50 @@ class RolloutServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetStatus(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Continue(self, request, context):
+        """Multi-turn trajectories (see the block at the end): answer a turn event
+        of a trainer-driven trajectory with an observation, or end it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetWeightTransferPlan(self, request, context):
+        """Collective weight transfer (docs/collective.md): the trainer sends each
+        byte once over a torch.distributed group (NCCL on GPUs, gloo on CPUs)
+        whose other ranks are the engines' workers; these RPCs are its control
+        plane. The group's shape: rank 0 is the trainer, world_size ranks in all.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def InitWeightTransfer(self, request, context):
+        """Every receiving rank joins the trainer's rendezvous (the trainer joins it
+        concurrently); returns once the group has formed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CollectiveUpdate(self, request, context):
+        """One push: the manifest is checked (nothing moves if a tensor does not
+        fit, named in the INVALID_ARGUMENT), then ACCEPTED: the trainer sends;
+        RECEIVED: every rank has the bytes; LIVE: the version serves on every
+        engine. A push while another applies: FAILED_PRECONDITION. A failed push
+        (the group's timeout) leaves the previous version serving and the group
+        closed (InitWeightTransfer again).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CloseWeightTransfer(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -147,6 +217,31 @@ def add_RolloutServiceServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=rollout_dot_v1_dot_rollout__pb2.StatusRequest.FromString,
                     response_serializer=rollout_dot_v1_dot_rollout__pb2.StatusResponse.SerializeToString,
+            ),
+            'Continue': grpc.unary_unary_rpc_method_handler(
+                    servicer.Continue,
+                    request_deserializer=rollout_dot_v1_dot_rollout__pb2.ContinueRequest.FromString,
+                    response_serializer=rollout_dot_v1_dot_rollout__pb2.ContinueResponse.SerializeToString,
+            ),
+            'GetWeightTransferPlan': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetWeightTransferPlan,
+                    request_deserializer=rollout_dot_v1_dot_rollout__pb2.WeightTransferPlanRequest.FromString,
+                    response_serializer=rollout_dot_v1_dot_rollout__pb2.WeightTransferPlan.SerializeToString,
+            ),
+            'InitWeightTransfer': grpc.unary_unary_rpc_method_handler(
+                    servicer.InitWeightTransfer,
+                    request_deserializer=rollout_dot_v1_dot_rollout__pb2.InitWeightTransferRequest.FromString,
+                    response_serializer=rollout_dot_v1_dot_rollout__pb2.WeightTransferPlan.SerializeToString,
+            ),
+            'CollectiveUpdate': grpc.unary_stream_rpc_method_handler(
+                    servicer.CollectiveUpdate,
+                    request_deserializer=rollout_dot_v1_dot_rollout__pb2.CollectiveUpdateRequest.FromString,
+                    response_serializer=rollout_dot_v1_dot_rollout__pb2.CollectiveUpdateEvent.SerializeToString,
+            ),
+            'CloseWeightTransfer': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseWeightTransfer,
+                    request_deserializer=rollout_dot_v1_dot_rollout__pb2.CloseWeightTransferRequest.FromString,
+                    response_serializer=rollout_dot_v1_dot_rollout__pb2.CloseWeightTransferResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -311,6 +406,141 @@ class RolloutService:
             '/rollout.v1.RolloutService/GetStatus',
             rollout_dot_v1_dot_rollout__pb2.StatusRequest.SerializeToString,
             rollout_dot_v1_dot_rollout__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Continue(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollout.v1.RolloutService/Continue',
+            rollout_dot_v1_dot_rollout__pb2.ContinueRequest.SerializeToString,
+            rollout_dot_v1_dot_rollout__pb2.ContinueResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetWeightTransferPlan(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollout.v1.RolloutService/GetWeightTransferPlan',
+            rollout_dot_v1_dot_rollout__pb2.WeightTransferPlanRequest.SerializeToString,
+            rollout_dot_v1_dot_rollout__pb2.WeightTransferPlan.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def InitWeightTransfer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollout.v1.RolloutService/InitWeightTransfer',
+            rollout_dot_v1_dot_rollout__pb2.InitWeightTransferRequest.SerializeToString,
+            rollout_dot_v1_dot_rollout__pb2.WeightTransferPlan.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CollectiveUpdate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/rollout.v1.RolloutService/CollectiveUpdate',
+            rollout_dot_v1_dot_rollout__pb2.CollectiveUpdateRequest.SerializeToString,
+            rollout_dot_v1_dot_rollout__pb2.CollectiveUpdateEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseWeightTransfer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollout.v1.RolloutService/CloseWeightTransfer',
+            rollout_dot_v1_dot_rollout__pb2.CloseWeightTransferRequest.SerializeToString,
+            rollout_dot_v1_dot_rollout__pb2.CloseWeightTransferResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -6,6 +6,7 @@
     [engine.vllm_args]   extra keyword arguments for vLLM's engine
     [engine.spec]        speculative decoding (rollout_service.engines.spec_config.SpecConfig)
     [engine.ray]         the fleet on a Ray cluster (with engine.placement_backend = "ray")
+    [environments.NAME]  what multi-turn trajectories' tool calls go to (rollout_service.environments)
 
 Any field can be set from the command line with `--set engine.num_engines=4`.
 """
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from rollout_service.engines.spec_config import SpecConfig
+from rollout_service.environments import check_environments
 from rollout_service.partial.carry_over import CarryOverConfig
 from rollout_service.scheduling.rebalancer import RebalanceConfig
 
@@ -80,6 +82,7 @@ class ServiceConfig:
     grpc_port: int = 50051
     http_port: int = 8000
     placement: str = "least-assigned"
+    session_affinity: bool = True  # a trajectory's next turn goes to the engine holding its prefix
     max_message_mb: int = 64  # largest gRPC message accepted (MiB)
     max_weights_gb: float = 16.0  # largest weight push (GiB)
     max_queued_samples: int = 1_000_000
@@ -93,6 +96,8 @@ class ServiceConfig:
     rebalance: RebalanceConfig = field(default_factory=RebalanceConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     tls: TlsConfig = field(default_factory=TlsConfig)
+    # name -> {entry_point = "module:function"} or {url = "http://..."}, optional timeout_s
+    environments: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -167,4 +172,5 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Se
             set_field(cfg, key, os.environ[env])
     cfg.carry_over.validate()
     cfg.engine.spec.validate()
+    check_environments(cfg.environments)
     return cfg

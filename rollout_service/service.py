@@ -25,6 +25,7 @@ from rollout_service.engines.weights import drop_spare
 from rollout_service.core.clock import Clock
 from rollout_service.core.rollout import CoreLimits, RolloutCore
 from rollout_service.drafter.runtime import SpecRuntime
+from rollout_service.environments import Environments
 from rollout_service.factory import ModelInfo, load_tokenizer, make_engines, model_info
 from rollout_service.scheduling import make_placement
 
@@ -40,6 +41,7 @@ class RolloutService:
         self.config = config
         self.core: RolloutCore | None = None
         self.spec_runtime: SpecRuntime | None = None
+        self.environments = Environments({}, [])
         self.grpc_port = 0
         self.http_port = 0
         self._grpc: grpc.aio.Server | None = None
@@ -56,7 +58,8 @@ class RolloutService:
         tokenizer = await asyncio.to_thread(load_tokenizer, info)
         self.model_name = info.name
         await self._start_core(info, tokenizer)
-        limits = ModelLimits(info.vocab_size, info.max_model_len, cfg.max_groups_per_submit)
+        limits = ModelLimits(info.vocab_size, info.max_model_len, cfg.max_groups_per_submit,
+                             text=cfg.engine.kind != "sim")
         auth = TokenAuth(cfg.auth.submit_tokens, cfg.auth.weights_tokens)
         tls = _tls(cfg)
         await self._start_grpc(limits, tokenizer, auth, tls)
@@ -73,6 +76,7 @@ class RolloutService:
         one), started; then the speculative decoding runtime if `[engine.spec]`
         asks for it."""
         cfg = self.config
+        self.environments = Environments.build(cfg.environments)
         engines = make_engines(cfg.engine, info)
         self.core = RolloutCore(
             engines,
@@ -82,6 +86,8 @@ class RolloutService:
             detokenizer=tokenizer,
             carry_over=cfg.carry_over,
             rebalance=cfg.rebalance if cfg.rebalance.enabled else None,
+            environments=self.environments.by_name,
+            affinity=cfg.session_affinity,
         )
         if cfg.engine.placement_backend == "ray":
             from rollout_service.engines.ray_fleet import bind_counters
@@ -166,6 +172,7 @@ class RolloutService:
             for last in (self.core.weight_sync.last, draft):
                 if last is not None:
                     last.cleanup()
+        await self.environments.close()
         drop_spare()  # the staging file kept for the next weight push
 
     async def serve_forever(self) -> None:

@@ -75,3 +75,23 @@ async def vllm_service():
 async def vclient(vllm_service):
     async with connect(vllm_service, "v") as c:
         yield c
+
+
+def max_logprob_gap(samples, model_dir: str, weights) -> float:
+    """The largest |served logprob - transformers' recomputation| (nats)
+    over every response token of `samples`, the model at `model_dir` loaded
+    with `weights` (a state dict)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.load_state_dict(weights, strict=False)
+    model.tie_weights()
+    worst = 0.0
+    for s in samples:
+        ids = torch.tensor([s.prompt_token_ids + s.response_token_ids])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(s.prompt_token_ids) - 1 : -1]
+        ref = torch.log_softmax(logits.double(), -1).gather(1, torch.tensor(s.response_token_ids)[:, None])[:, 0]
+        worst = max(worst, float((ref - torch.tensor(s.logprobs, dtype=torch.float64)).abs().max()))
+    return worst

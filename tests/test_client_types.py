@@ -19,8 +19,9 @@ from trainer_client import (
 
 from conftest import unique
 
-CALLS = ("wait_ready", "submit", "submit_detailed", "ack", "abort", "push_weights", "push_weights_file", "status")
-ITERATORS = ("stream", "groups")
+CALLS = ("wait_ready", "submit", "submit_detailed", "ack", "abort", "push_weights", "push_weights_file",
+         "push_weights_collective", "close_collective", "status", "continue_trajectory")
+ITERATORS = ("stream", "groups", "trajectory_groups")
 
 
 def _no_protobuf(value) -> None:

@@ -213,3 +213,80 @@ def test_the_predictor_forgets_100k_given_up_groups():
         predictor.predict(Request(f"x{i}/1", group, 1))
         predictor.forget_group(group.group_id)
     assert predictor.open_groups == 0
+
+
+def test_a_request_every_engine_refuses_is_given_up_and_reported_not_retried_forever():
+    """An engine that raises on `add` for one request (a sampling setting it
+    does not support) while serving the others: after a few attempts the
+    sample is delivered aborted with the engine's error, and the rest of the
+    group and the service go on."""
+    from rollout_service.core.clock import Clock, run_virtual
+    from rollout_service.core.rollout import MAX_FAILURES_WITHOUT_PROGRESS, RolloutCore
+    from rollout_service.engines.base import EngineError
+    from rollout_service.engines.sim import SimEngine, SimParams
+    from rollout_service.engines.types import FinishReason, SamplingParams
+    from rollout_service.lifecycle.types import GroupSpec
+    from rollout_service.scheduling import make_placement
+
+    class Picky(SimEngine):
+        def add(self, request):
+            if request.request_id.endswith("/1"):
+                raise EngineError("temperature must be at most 2")
+            return super().add(request)
+
+    async def main():
+        core = RolloutCore([Picky(f"e{i}", SimParams(seed=i)) for i in range(2)], make_placement("least-assigned"), Clock())
+        core.submit([GroupSpec("g", [1, 2, 3], 3, SamplingParams(max_tokens=50),
+                               metadata={"sim.target_lengths": "20"})])
+        await core.start()
+        got = []
+        async for entry in core.delivery.stream("c"):
+            got.append(entry)
+            if entry.group_complete:
+                break
+        await core.stop()
+        return core, {e.sample.index: e.sample for e in got}
+
+    core, got = run_virtual(main())
+    assert sorted(got) == [0, 1, 2]
+    assert got[1].finish_reason == FinishReason.ABORTED and "temperature must be at most 2" in got[1].drop_reason
+    assert got[0].finish_reason == got[2].finish_reason == FinishReason.STOP
+    assert core.counters["requests_requeued"] == MAX_FAILURES_WITHOUT_PROGRESS - 1
+
+
+def test_an_engine_that_dies_while_a_pause_resume_push_pauses_its_requests_delivers_each_sample_once():
+    """Under `pause-resume` the push pauses every running request. An engine
+    that stops while the push is still aborting requests on another engine
+    hands its requests back to the queue, and they may finish elsewhere
+    before the push ends: the push must not queue them again (each would
+    then run twice and be delivered twice)."""
+    from rollout_service.engines.weights import StagedWeights
+
+    class SlowAbort(SimEngine):
+        async def abort(self, request_id):
+            await asyncio.sleep(1.0)
+            return await super().abort(request_id)
+
+    async def main():
+        slow, other = SlowAbort("e0", SimParams(**FAST)), _engine("e1")
+        core = RolloutCore([slow, other], make_placement("least-assigned"), Clock(),
+                           carry_over=CarryOverConfig(mode="pause-resume"))
+        await core.start()
+        core.submit(_groups(2, [2000, 2000, 2000, 2000]))
+        await asyncio.sleep(0.1)
+        assert {core.requests.get(r).engine_id for r in core.running} == {"e0", "e1"}
+
+        async def stop_other_mid_push():
+            await asyncio.sleep(0.5)  # the push is aborting e0's requests, one by one
+            await other.close()
+
+        await asyncio.gather(core.update_weights(1, StagedWeights([])), stop_other_mid_push())
+        queued = [r.request_id for r in core.queue]
+        got = await _collect(core, 8)
+        await core.stop()
+        return queued, got
+
+    queued, got = run_virtual(main())
+    assert len(queued) == len(set(queued)), f"a request is queued twice: {sorted(queued)}"
+    ids = [(e.sample.group_id, e.sample.index) for e in got]
+    assert len(ids) == len(set(ids)) == 8, f"each sample exactly once, got {sorted(ids)}"

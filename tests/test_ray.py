@@ -250,8 +250,12 @@ async def test_vllm_actors_on_two_nodes_push_weights_and_recover_a_killed_actor(
     g = torch.Generator().manual_seed(1)
     perturbed = {k: v + 0.5 * v.std() * torch.randn(v.shape, generator=g) if v.ndim == 2 else v
                  for k, v in original.items()}
-    service = RolloutService(ray_config(cluster, kind="vllm", num_engines=2, model=vllm_model(),
-                                        max_model_len=1024, max_seqs=32))
+    cfg = ray_config(cluster, kind="vllm", num_engines=2, model=vllm_model(), max_model_len=1024, max_seqs=32)
+    # Paused and resumed across the push: every token's context is computed
+    # by the weights its tag names, so the recomputation below is exact.
+    # (Under `continue`, tokens after a push attend to KV the old weights computed.)
+    cfg.carry_over.mode = "pause-resume"
+    service = RolloutService(cfg)
     await service.start()
     core = service.core
     try:

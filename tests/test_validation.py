@@ -208,3 +208,15 @@ async def test_many_prompt_texts_are_tokenised_off_the_event_loop():
     tok.threads.clear()
     await validation.submit_request_off_loop(request(2), limits, tok)  # a few: inline
     assert tok.threads == {threading.get_ident()}
+
+
+async def test_stop_strings_are_checked_and_refused_on_simulated_engines(client):
+    for stops, field in ((["</tool>"], "groups[0].sampling.stop"), ([""], "groups[0].sampling.stop[0]"),
+                         (["x"] * 17, "groups[0].sampling.stop"), (["y" * 257], "groups[0].sampling.stop[0]")):
+        g = _group()
+        g.sampling.stop.extend(stops)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await client._stub.Submit(pb.SubmitRequest(groups=[g]))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert field in err.value.details()
+    await _valid_round_trip(client)

@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 from rollout_proto import rollout_pb2 as pb  # noqa: E402
 from trainer_client import PromptGroup  # noqa: E402
 
-from conftest import unique, vllm_model  # noqa: E402
+from conftest import max_logprob_gap, unique, vllm_model  # noqa: E402
 from test_streaming import collect  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -44,8 +44,6 @@ async def _greedy(client, prompts=PROMPTS, max_tokens=24) -> list[tuple[list[int
 async def _max_logprob_gap(vclient, weights) -> float:
     """Serve `weights`, sample, and compare every returned logprob with
     transformers' recomputation on the same weights (nats)."""
-    from transformers import AutoModelForCausalLM
-
     version = (await vclient.status()).policy_version + 1
     await vclient.push_weights(weights, version=version)
     prefix = unique("lp")
@@ -53,17 +51,7 @@ async def _max_logprob_gap(vclient, weights) -> float:
                                       group_id=f"{prefix}-{i}") for i, p in enumerate(PROMPTS)])
     samples = await collect(vclient, prefix, 2 * len(PROMPTS), timeout=120)
     assert all(s.min_version == s.max_version == version for s in samples)
-    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
-    model.load_state_dict(weights, strict=False)
-    model.tie_weights()
-    worst = 0.0
-    for s in samples:
-        ids = torch.tensor([s.prompt_token_ids + s.response_token_ids])
-        with torch.no_grad():
-            logits = model(ids).logits[0, len(s.prompt_token_ids) - 1 : -1]
-        ref = torch.log_softmax(logits.double(), -1).gather(1, torch.tensor(s.response_token_ids)[:, None])[:, 0]
-        worst = max(worst, float((ref - torch.tensor(s.logprobs, dtype=torch.float64)).abs().max()))
-    return worst
+    return max_logprob_gap(samples, MODEL, weights)
 
 
 async def test_logprobs_match_transformers_recomputation(vclient):
@@ -157,6 +145,35 @@ async def test_corrupt_weight_pushes_leave_the_old_version_serving(vclient):
             await _raw_push(vclient, header, payload)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, label
         assert word in err.value.details(), (label, err.value.details())
+    assert (await vclient.status()).policy_version == before_version
+    assert await _greedy(vclient) == before
+
+
+async def test_a_file_or_stream_that_does_not_fit_the_model_is_refused_naming_the_tensor(vclient, tmp_path):
+    """Name, shape or dtype off: refused before anything is applied, on both paths."""
+    from safetensors.torch import save_file
+
+    before_version = (await vclient.status()).policy_version
+    before = await _greedy(vclient)
+    w = _weights()
+    name = next(n for n, t in w.items() if t.dim() == 2)
+    cases = [
+        ("unknown name", {**{k: v for k, v in w.items() if k != name}, "model.no_such.weight": w[name]},
+         "'model.no_such.weight'"),
+        ("wrong shape", {**w, name: w[name][:-1].contiguous()}, f"{name!r} has shape"),
+        ("int dtype", {**w, name: w[name].to(torch.int32)}, f"{name!r} has dtype int32"),
+    ]
+    for label, sd, words in cases:
+        path = str(tmp_path / f"{label.replace(' ', '_')}.safetensors")
+        save_file(sd, path)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await vclient.push_weights_file(path, version=before_version + 1)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (label, err.value.details())
+        assert words in err.value.details(), (label, err.value.details())
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await vclient.push_weights(sd, version=before_version + 1)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (label, err.value.details())
+        assert words in err.value.details(), (label, err.value.details())
     assert (await vclient.status()).policy_version == before_version
     assert await _greedy(vclient) == before
 

@@ -114,12 +114,14 @@ def _staged_matches(service, sd) -> None:
         offset += s.byte_length
 
 
+@pytest.mark.parametrize("trailer", [True, False], ids=["digests-in-trailer", "digests-in-header"])
 @pytest.mark.parametrize("checksums", ["xxh3", "xxh3_64", "sha256", False, True])
-async def test_push_with_each_checksum_choice_applies(service, rclient, checksums):
+async def test_push_with_each_checksum_choice_applies(service, rclient, checksums, trailer):
     before = (await rclient.status()).policy_version
     sd = _state_dict(before)
     # 1000-byte chunks: chunks end inside tensors and span several.
-    reply = await rclient.push_weights(sd, version=before + 1, checksums=checksums, chunk_mb=1000 / 2**20)
+    reply = await rclient.push_weights(sd, version=before + 1, checksums=checksums, chunk_mb=1000 / 2**20,
+                                       checksum_trailer=trailer)
     assert reply.applied_version == before + 1
     assert reply.bytes_received == sum(a.nbytes for a in sd.values())
     _staged_matches(service, sd)
@@ -155,6 +157,64 @@ async def test_corrupted_chunk_is_invalid_argument_naming_the_tensor(service, rc
     await _still_serves(rclient, before)
 
 
+def _trailer_push(sd, version: int, algo: str, digests=None, flip_chunk: int | None = None):
+    """The messages of a push whose digests follow the data: `digests`
+    replaces the true ones; chunk `flip_chunk` has one byte flipped."""
+    tensors = wire.flatten(sd)
+    header = pb.WeightsHeader(version=version, tensors=wire.manifest(tensors, False), checksum_algo=algo)
+    msgs = list(wire.chunks(header, tensors, 4096))
+    if flip_chunk is not None:
+        data = bytearray(b"".join(msgs[flip_chunk]))
+        data[len(data) // 2] ^= 0x01
+        msgs[flip_chunk] = [data]
+    true = wire.digests(tensors, algo)
+    return msgs, pb.WeightsChunk(trailer=pb.WeightsTrailer(digests=true if digests is None else digests(true)))
+
+
+@pytest.mark.parametrize("algo", ["xxh3_128", "xxh3_64", "sha256"])
+async def test_trailer_digest_mismatch_is_invalid_argument_naming_the_tensor(service, rclient, algo):
+    before = (await rclient.status()).policy_version
+    sd = _state_dict()  # "a" is 8448 bytes: chunks 1-3 (4096 bytes each) hold a, empty, b, c
+    msgs, trailer = _trailer_push(sd, before + 1, algo, flip_chunk=3)  # bytes 8192.. : "c"
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await rclient._push(iter(msgs + [trailer]))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    assert "trailer.digests[3]" in err.value.details() and "'c'" in err.value.details(), err.value.details()
+    # Intact bytes, a wrong digest for "b".
+    msgs, trailer = _trailer_push(sd, before + 1, algo, digests=lambda d: d[:2] + ["0" * len(d[2])] + d[3:])
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await rclient._push(iter(msgs + [trailer]))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    assert "trailer.digests[2]" in err.value.details() and "'b'" in err.value.details(), err.value.details()
+    await _still_serves(rclient, before)
+
+
+async def test_a_misplaced_missing_or_short_trailer_is_invalid_argument(service, rclient):
+    before = (await rclient.status()).policy_version
+    msgs, trailer = _trailer_push(_state_dict(), before + 1, "xxh3_128")
+    cases = {
+        "missing": (msgs, "without the WeightsTrailer"),
+        "before the end of the data": (msgs[:2] + [trailer] + msgs[2:], "follows all the data"),
+        "followed by data": (msgs + [trailer, [memoryview(b"x")]], "last message"),
+        "twice": (msgs + [trailer, trailer], "last message"),
+        "short": (msgs + [pb.WeightsChunk(trailer=pb.WeightsTrailer(digests=trailer.trailer.digests[:3]))],
+                  "3 digests for the manifest's 4 tensors"),
+        "bad hex": (msgs + [pb.WeightsChunk(trailer=pb.WeightsTrailer(digests=["XY"] * 4))], "trailer.digests[0]"),
+    }
+    for case, (stream, message) in cases.items():
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await rclient._push(iter(stream))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (case, err.value.details())
+        assert "trailer" in err.value.details() and message in err.value.details(), (case, err.value.details())
+    # Digests in the header and a trailer as well: the trailer is refused.
+    tensors = wire.flatten(_state_dict())
+    header = pb.WeightsHeader(version=before + 1, tensors=wire.manifest(tensors, "xxh3"), checksum_algo="xxh3_128")
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await rclient._push(iter(list(wire.chunks(header, tensors, 4096)) + [trailer]))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "trailer" in err.value.details()
+    await _still_serves(rclient, before)
+
+
 async def test_old_style_header_with_sha256_only_still_applies(service, rclient):
     """What clients before checksum_algo send: protobuf-serialized chunks,
     TensorSpec.sha256 and no algorithm."""
@@ -179,6 +239,30 @@ async def test_old_style_header_with_sha256_only_still_applies(service, rclient)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "header.tensors[0].sha256" in err.value.details() and "'w'" in err.value.details()
     await _still_serves(rclient, before + 1)
+
+
+@pytest.mark.parametrize("algo", ["xxh3_64", "xxh3_128"])
+async def test_digests_as_python_xxhash_computes_them_verify(service, rclient, algo):
+    """Senders hash with any xxHash binding (here python-xxhash), in the header or the trailer."""
+    import xxhash
+
+    before = (await rclient.status()).policy_version
+    a = np.random.default_rng(5).random(5000, dtype=np.float32)
+    digest = getattr(xxhash, algo)(a.tobytes()).hexdigest()
+    spec = pb.TensorSpec(name="w", dtype="float32", shape=[5000], byte_length=a.nbytes)
+    for version, in_header in ((before + 1, True), (before + 2, False)):
+        if in_header:
+            spec.digest = digest
+        else:
+            spec.ClearField("digest")
+        header = pb.WeightsHeader(version=version, tensors=[spec], checksum_algo=algo)
+        msgs = [pb.WeightsChunk(header=header), pb.WeightsChunk(data=a.tobytes())]
+        if not in_header:
+            msgs.append(pb.WeightsChunk(trailer=pb.WeightsTrailer(digests=[digest])))
+        reply = await rclient._stub.PushWeights(iter(msgs))
+        assert reply.applied_version == version
+    _staged_matches(service, {"w": a})
+    await _still_serves(rclient, before + 2)
 
 
 async def test_unknown_checksum_algo_or_bad_digest_is_invalid_argument_naming_the_field(service, rclient):
@@ -261,4 +345,119 @@ async def test_a_refused_or_abandoned_push_leaves_no_staging_file(service, rclie
             break
         await asyncio.sleep(0.05)
     assert paths and not any(os.path.exists(p) for p in paths), paths
+    await _still_serves(rclient, before)
+
+
+# -- pushes that meet, and a trainer that stalls ----------------------------------------
+
+
+async def test_pushes_that_meet_are_applied_one_at_a_time_or_refused_naming_the_version(service, rclient, monkeypatch):
+    loop = asyncio.get_running_loop()
+    applying = asyncio.Event()  # set when an engine starts applying
+    applies: dict[str, list[tuple[int, float, float]]] = {}  # engine -> (version, start, end)
+    for engine in service.core.engines.values():
+        async def slow(version, weights, apply=engine.update_weights, eid=engine.engine_id):
+            t0 = loop.time()
+            applying.set()
+            await asyncio.sleep(0.3)  # an apply that takes a while
+            await apply(version, weights)
+            applies.setdefault(eid, []).append((version, t0, loop.time()))
+
+        monkeypatch.setattr(engine, "update_weights", slow)
+
+    async def push(version: int, while_applying: bool = False):
+        if while_applying:
+            await applying.wait()
+        return await rclient.push_weights({"w": np.full(64, version, np.float32)}, version=version)
+
+    v = (await rclient.status()).policy_version
+    # A newer push arriving while one applies waits for it, then applies.
+    applying.clear()
+    first, second = await asyncio.gather(push(v + 1), push(v + 2, while_applying=True))
+    assert (first.applied_version, second.applied_version) == (v + 1, v + 2)
+    for eid, runs in applies.items():
+        assert [r[0] for r in runs] == [v + 1, v + 2], eid
+        assert runs[0][2] <= runs[1][1], (eid, runs)  # one at a time
+    # An older one (or the same version twice) is refused once the other has applied.
+    for versions in ((v + 4, v + 3), (v + 5, v + 5)):
+        applying.clear()
+        results = await asyncio.gather(push(versions[0]), push(versions[1], while_applying=True),
+                                       return_exceptions=True)
+        assert results[0].applied_version == versions[0], results
+        assert isinstance(results[1], grpc.aio.AioRpcError), results
+        assert results[1].code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"greater than the serving version {versions[0]}" in results[1].details(), results[1].details()
+    await _still_serves(rclient, v + 5)
+
+
+async def test_a_trainer_that_stalls_before_the_trailer_leaves_the_previous_version(service, rclient, monkeypatch):
+    monkeypatch.setattr(service._servicer.weights, "push_idle_timeout_s", 0.5)
+    before = (await rclient.status()).policy_version
+    msgs, _ = _trailer_push(_state_dict(), before + 1, "xxh3_128")
+
+    async def stalled():
+        for m in msgs:  # all the data, then nothing
+            yield m
+        await asyncio.sleep(30)
+
+    t0 = asyncio.get_running_loop().time()
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await rclient._push(stalled())
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err.value.details()
+    assert asyncio.get_running_loop().time() - t0 < 10
+    await _still_serves(rclient, before)
+
+
+async def wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
+async def _versions_after(client: RolloutClient, service, version: int) -> None:
+    """Every engine serves `version`, and new samples on each carry it."""
+    await wait_until(lambda: all(e.load().state == "ready" and e.load().policy_version == version
+                                 for e in service.core.engines.values()), 30, f"every engine on version {version}")
+    gid = unique("one-version")
+    await client.submit([PromptGroup(prompt_token_ids=[1, 4], num_samples=8, max_tokens=16, group_id=gid)])
+    samples = await collect(client, gid, 8)
+    assert all(s.min_version == s.max_version == version for s in samples), \
+        [(s.engines, s.min_version, s.max_version) for s in samples]
+
+
+async def test_a_push_that_fails_on_one_engine_changes_no_engine_s_version(service, rclient, monkeypatch):
+    """The engines that applied it go back to the serving weights."""
+    before = (await rclient.status()).policy_version
+    if before == 0:
+        before = (await rclient.push_weights({"w": np.ones(8, np.float32)}, version=1)).applied_version
+    _break_updates(monkeypatch, service.core.engines["sim-1"], ConnectionResetError(104, "Connection reset by peer"))
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await rclient.push_weights({"w": np.ones(8, np.float32)}, version=before + 1)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "sim-1" in err.value.details(), err.value.details()
+    assert f"still serving version {before}" in err.value.details()
+    await _versions_after(rclient, service, before)
+
+
+async def test_an_engine_that_applied_a_failed_first_push_restarts_on_the_model_s_weights(monkeypatch):
+    """Version 0 (the model's own weights) is not staged: that engine restarts."""
+    async with running(sim_config(num_engines=2)) as fresh, connect(fresh, "first-push") as client:
+        _break_updates(monkeypatch, fresh.core.engines["sim-1"], ConnectionResetError(104, "Connection reset by peer"))
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await client.push_weights({"w": np.ones(8, np.float32)}, version=1)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
+        await _versions_after(client, fresh, 0)
+        assert (await client.status()).counters["engine_restarts"] >= 1
+
+
+async def test_a_big_push_refused_at_its_header_gets_the_refusal_s_status(service, rclient):
+    """The client streams the data only once the service has accepted the
+    header: the refusal is not lost to a write failing on an ended call."""
+    before = (await rclient.status()).policy_version
+    sd = {"w": np.zeros(16 << 20, np.float32)}  # 64 MiB
+    for _ in range(3):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await rclient.push_weights(sd, version=before)  # not newer than the serving one
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+        assert f"greater than the serving version {before}" in err.value.details()
     await _still_serves(rclient, before)

@@ -9,13 +9,16 @@ from trainer_client.sync import SyncRolloutClient
 from trainer_client.types import (
     CompletedSample,
     EngineStatus,
+    MultiTurn,
     PromptGroup,
     PushResult,
     ServiceStatus,
     SpecDepthBucket,
     SpecEngineStatus,
     SpecStatus,
+    Turn,
 )
 
 __all__ = ["RolloutClient", "StepRollout", "SyncRolloutClient", "CompletedSample", "PromptGroup", "PushResult",
-           "ServiceStatus", "EngineStatus", "SpecStatus", "SpecEngineStatus", "SpecDepthBucket"]
+           "ServiceStatus", "EngineStatus", "SpecStatus", "SpecEngineStatus", "SpecDepthBucket",
+           "MultiTurn", "Turn"]

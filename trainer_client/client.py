@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import inspect
 import logging
+import threading
 import uuid
-from typing import AsyncIterator, Iterable, Mapping
+from typing import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence, Union
 
 import grpc
 
@@ -13,13 +16,18 @@ from rollout_proto import rollout_pb2_grpc as pb_grpc
 from trainer_client import weights as _weights
 from trainer_client.types import CompletedSample, PromptGroup, PushResult, ServiceStatus
 
+#: What a trajectory's `respond` returns for a turn event: the observation
+#: as token ids or as text (tokenized by the service), or None to end it.
+Observation = Union[Sequence[int], str, None]
+Respond = Callable[[CompletedSample], Union[Observation, Awaitable[Observation]]]
+
 log = logging.getLogger(__name__)
 
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED}
 
 
 def _group_pb(g: PromptGroup) -> pb.PromptGroup:
-    sampling = pb.SamplingParams(max_tokens=g.max_tokens, stop_token_ids=g.stop_token_ids)
+    sampling = pb.SamplingParams(max_tokens=g.max_tokens, stop_token_ids=g.stop_token_ids, stop=g.stop)
     if g.temperature is not None:
         sampling.temperature = g.temperature
     if g.top_p is not None:
@@ -28,7 +36,7 @@ def _group_pb(g: PromptGroup) -> pb.PromptGroup:
         sampling.top_k = g.top_k
     if g.seed is not None:
         sampling.seed = g.seed
-    return pb.PromptGroup(
+    group = pb.PromptGroup(
         group_id=g.group_id,
         prompt_token_ids=g.prompt_token_ids or [],
         prompt_text=g.prompt_text,
@@ -37,6 +45,11 @@ def _group_pb(g: PromptGroup) -> pb.PromptGroup:
         prompt_id=g.prompt_id,
         metadata=g.metadata,
     )
+    if g.multi_turn is not None:
+        mt = g.multi_turn
+        group.multi_turn.CopyFrom(pb.MultiTurn(max_turns=mt.max_turns, max_total_tokens=mt.max_total_tokens,
+                                               environment=mt.environment))
+    return group
 
 
 class RolloutClient:
@@ -93,6 +106,7 @@ class RolloutClient:
         self._push = self._channel.stream_unary(
             "/rollout.v1.RolloutService/PushWeights", request_serializer=_weights.serialize_chunk,
             response_deserializer=pb.PushWeightsResponse.FromString)
+        self._collective = None  # the collective transfer group joined (push_weights_collective)
         self.last_cursor = 0  # highest cursor received
         self.acked_cursor = 0
 
@@ -104,6 +118,9 @@ class RolloutClient:
 
     async def close(self) -> None:
         """Close the connection (the service keeps this consumer's cursor)."""
+        if self._collective is not None:
+            self._collective.close()
+            self._collective = None
         await self._channel.close()
 
     async def wait_ready(self, timeout: float = 60.0) -> None:
@@ -136,7 +153,9 @@ class RolloutClient:
         return list(zip(reply.group_ids, reply.created))
 
     async def stream(self, ack_every: int = 64, from_cursor: int | None = None) -> AsyncIterator[CompletedSample]:
-        """Every completed sample, as it completes, in cursor order.
+        """Every completed sample, as it completes, in cursor order (and,
+        for trainer-driven multi-turn groups, their turn events: samples with
+        `awaiting_observation`, see `trajectory_groups`).
 
         A sample counts as consumed when the caller asks for the next one;
         consumed samples are acknowledged every `ack_every` (and by `ack()`).
@@ -160,7 +179,8 @@ class RolloutClient:
                     if event.cursor <= cursor:
                         continue  # already seen (re-delivery after a reconnect)
                     cursor = self.last_cursor = event.cursor
-                    yield CompletedSample.from_pb(event.sample, event.cursor, event.group_complete)
+                    yield CompletedSample.from_pb(event.sample, event.cursor, event.group_complete,
+                                                  event.awaiting_observation)
                     if cursor - self.acked_cursor >= ack_every:
                         await self.ack(cursor)
                 return
@@ -179,12 +199,16 @@ class RolloutClient:
     async def groups(self, ack: bool = True) -> AsyncIterator[list[CompletedSample]]:
         """Complete GRPO groups (samples ordered by index), as they complete.
         A group is acknowledged once the caller asks for the next one.
+        Turn events of trainer-driven multi-turn groups are skipped: answer
+        them with `trajectory_groups`.
 
         Args:
             ack: acknowledge consumed groups (False: the caller calls `ack()`).
         """
         pending: dict[str, list[CompletedSample]] = {}
         async for sample in self.stream(ack_every=1 << 62):
+            if sample.awaiting_observation:
+                continue
             pending.setdefault(sample.group_id, []).append(sample)
             if not sample.group_complete:
                 continue
@@ -194,6 +218,143 @@ class RolloutClient:
                 # Everything below the oldest sample still buffered is consumed.
                 oldest = min((s[0].cursor for s in pending.values()), default=sample.cursor + 1)
                 await self.ack(oldest - 1)
+
+    async def trajectory_groups(self, respond: Respond | None = None,
+                                ack: bool = True) -> AsyncIterator[list[CompletedSample]]:
+        """Complete multi-turn groups (samples ordered by index), as they
+        complete, answering the turn events of trainer-driven trajectories
+        on the way. Each sample's response holds its generated turns and the
+        observations between them; `loss_mask()` is 1 on generated and 0 on
+        observation tokens, `token_versions()` is -1 on observations,
+        `turns` gives the spans. Single-turn groups come through as well.
+
+        `respond(sample)` is called (awaited if it is a coroutine function;
+        a plain function runs in a worker thread) for every turn event: the
+        trajectory so far, whose last turn is
+        `sample.response_token_ids[sample.turns[-1].start:]`. It returns the
+        observation to append, as token ids or text, or None to end the
+        trajectory. Turn events are answered concurrently, so slow tools
+        overlap each other and the generation of other trajectories. An
+        observation too long for the trajectory ends it (as the service does
+        for an environment's); an answer to a trajectory that moved on (its
+        group aborted, restarted by a weight update) is dropped. What
+        `respond` raises is raised here.
+
+        A turn event is acknowledged once its answer is in and a group once
+        the caller asks for the next one, so after a reconnect or a restart
+        with the same consumer_id unanswered turns are delivered again, and
+        an answer sent twice changes nothing.
+
+        Args:
+            respond: answers turn events; None when every multi-turn group
+                is environment-driven (turn events are then skipped, logged).
+            ack: acknowledge consumed groups and answered turn events.
+        """
+        pending: dict[str, list[CompletedSample]] = {}
+        answering: dict[int, asyncio.Task] = {}  # cursor of a turn event -> its answer
+        failure: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        async def answer(event: CompletedSample) -> None:
+            try:
+                if inspect.iscoroutinefunction(respond):
+                    obs = await respond(event)
+                else:
+                    obs = await asyncio.to_thread(respond, event)
+                    if inspect.isawaitable(obs):
+                        obs = await obs
+                await self._answer(event, obs)
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:  # raised from the iterator
+                if not failure.done():
+                    failure.set_exception(exc)
+
+        def held() -> int:
+            """The highest cursor below everything still needed here."""
+            cursors = [s[0].cursor for s in pending.values()] + [c for c, t in answering.items() if not t.done()]
+            return min(cursors, default=self.last_cursor + 1) - 1
+
+        stream = self.stream(ack_every=1 << 62)
+        following: asyncio.Future | None = None
+        try:
+            while True:
+                following = asyncio.ensure_future(stream.__anext__())
+                await asyncio.wait({following, failure}, return_when=asyncio.FIRST_COMPLETED)
+                if failure.done():
+                    failure.result()  # raises what respond raised
+                try:
+                    sample = following.result()
+                except StopAsyncIteration:
+                    return
+                following = None
+                for cursor in [c for c, t in answering.items() if t.done()]:
+                    answering.pop(cursor)
+                if sample.awaiting_observation:
+                    if respond is None:
+                        log.warning("turn event of %s not answered: its group is trainer-driven (no environment) "
+                                    "and trajectory_groups got no respond=", sample.sample_id)
+                        continue
+                    answering[sample.cursor] = asyncio.create_task(answer(sample), name=f"respond-{sample.sample_id}")
+                    continue
+                pending.setdefault(sample.group_id, []).append(sample)
+                if sample.group_complete:
+                    group = sorted(pending.pop(sample.group_id), key=lambda s: s.index)
+                    yield group
+                if ack:
+                    await self.ack(held())
+        finally:
+            if following is not None:
+                following.cancel()
+                await asyncio.gather(following, return_exceptions=True)
+            for task in answering.values():
+                task.cancel()
+            await asyncio.gather(*answering.values(), return_exceptions=True)
+            await stream.aclose()
+            if failure.done():
+                failure.exception()  # retrieved: not logged as never retrieved
+
+    async def _answer(self, event: CompletedSample, obs: Observation) -> None:
+        """Send `respond`'s answer to a turn event (see `trajectory_groups`)."""
+        turn = event.turn_index
+        try:
+            if obs is None:
+                await self.continue_trajectory(event.sample_id, turn, done=True)
+            elif isinstance(obs, str):
+                await self.continue_trajectory(event.sample_id, turn, observation_text=obs)
+            else:
+                await self.continue_trajectory(event.sample_id, turn, observation_token_ids=list(obs))
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
+                log.info("answer to %s turn %d dropped: %s", event.sample_id, turn, exc.details())
+                return
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT and "do not fit" in (exc.details() or ""):
+                log.warning("observation for %s turn %d does not fit; the trajectory ends: %s",
+                            event.sample_id, turn, exc.details())
+                await self.continue_trajectory(event.sample_id, turn, done=True)
+                return
+            raise
+
+    async def continue_trajectory(self, sample_id: str, turn: int, observation_token_ids: Sequence[int] | None = None,
+                                  observation_text: str = "", done: bool = False) -> bool:
+        """Answer a turn event of a trainer-driven trajectory: append an
+        observation and let its next turn be generated, or end it. Returns
+        False when this answer repeats one already applied (nothing changed).
+        Raises NOT_FOUND for an unknown or finished trajectory,
+        FAILED_PRECONDITION when it is not waiting for an answer to `turn`,
+        INVALID_ARGUMENT for an observation that does not fit (the status
+        names the field).
+
+        Args:
+            sample_id: the turn event's sample_id.
+            turn: the turn answered, the event's `turn_index`.
+            observation_token_ids: the observation as token ids.
+            observation_text: or as text, tokenized by the service.
+            done: end the trajectory (no observation with it).
+        """
+        request = pb.ContinueRequest(sample_id=sample_id, turn=turn, observation_token_ids=list(observation_token_ids or ()),
+                                     observation_text=observation_text, done=done)
+        reply = await self._stub.Continue(request, metadata=self._md)
+        return reply.applied
 
     async def ack(self, cursor: int | None = None) -> int:
         """Acknowledge every sample up to `cursor` (default: all received);
@@ -230,7 +391,7 @@ class RolloutClient:
 
     async def push_weights(
         self, state_dict: Mapping[str, object], version: int, chunk_mb: float = 2.0,
-        checksums: bool | str = "xxh3", target: str = "policy",
+        checksums: bool | str = "xxh3", target: str = "policy", checksum_trailer: bool = True,
     ) -> PushResult:
         """Stream a state dict to the service; returns when `version` serves
         on every engine. If an engine fails or times out applying it, the
@@ -251,14 +412,105 @@ class RolloutClient:
             target: "policy", or "draft" for draft-model weights for
                 speculative decoding (versioned separately; lossless
                 whatever they are).
+            checksum_trailer: hash while streaming, and send the digests
+                after the data (the default; services from the release
+                that added WeightsTrailer on: an older one never accepts
+                the header, and the push ends with DEADLINE_EXCEEDED after
+                its idle timeout). False: hash everything first and send
+                the digests in the header, as every service version
+                accepts.
         """
         tensors = await asyncio.to_thread(_weights.flatten, state_dict)
         algo = _weights.checksum_algo(checksums)
-        specs = await asyncio.to_thread(_weights.manifest, tensors, checksums)
-        header = pb.WeightsHeader(version=version, tensors=specs, target=target,
-                                  checksum_algo="" if algo == "sha256" else algo)
-        chunks = _weights.chunks(header, tensors, max(1, int(chunk_mb * 1024 * 1024)))
-        return PushResult.from_pb(await self._push(chunks, metadata=self._md), target)
+        chunk_bytes = max(1, int(chunk_mb * 1024 * 1024))
+        if not (algo and checksum_trailer):
+            specs = await asyncio.to_thread(_weights.manifest, tensors, checksums)
+            header = pb.WeightsHeader(version=version, tensors=specs, target=target,
+                                      checksum_algo="" if algo == "sha256" else algo)
+            chunks = _weights.chunks(header, tensors, chunk_bytes)
+            return PushResult.from_pb(await self._push(chunks, metadata=self._md), target)
+        header = pb.WeightsHeader(version=version, tensors=_weights.manifest(tensors, False), target=target,
+                                  checksum_algo=algo)
+        stop = threading.Event()
+        hashing = asyncio.ensure_future(asyncio.to_thread(_weights.digests, tensors, algo, stop))
+
+        async def messages():
+            it = _weights.chunks(header, tensors, chunk_bytes)
+            yield next(it)
+            # The service accepts the header (in its initial metadata) before
+            # the data is sent: a refusal then comes back as its status, not
+            # as a write failing on a call the service has already ended.
+            if ("rollout-push-accepted", "1") not in tuple(await call.initial_metadata() or ()):
+                return
+            for chunk in it:
+                yield chunk
+            yield pb.WeightsChunk(trailer=pb.WeightsTrailer(digests=await hashing))
+
+        call = self._push(messages(), metadata=self._md)
+        try:
+            return PushResult.from_pb(await call, target)
+        finally:
+            stop.set()  # the push failed early: stop hashing
+            with contextlib.suppress(Exception):
+                await hashing
+
+    async def push_weights_collective(
+        self, state_dict: Mapping[str, object], version: int, *, backend: str = "",
+        master_address: str = "127.0.0.1", master_port: int = 0, timeout_s: float = 60.0,
+        chunk_mb: float = 32.0, mode: str = "chain",
+    ) -> PushResult:
+        """Push a state dict of torch tensors over a collective group: the
+        trainer (rank 0) sends each byte once to every engine's workers
+        (gloo on CPUs, NCCL on GPUs; docs/collective.md). Returns when
+        `version` serves on every engine; the group is formed on the first
+        call and kept. A push that fails (refused manifest: INVALID_ARGUMENT
+        naming the tensor; another push applying: FAILED_PRECONDITION; a
+        transfer that fails or stalls past `timeout_s`) raises, the previous
+        version keeps serving, and the next call forms the group again.
+
+        Args:
+            backend: "gloo", "nccl", or "" for the engines' default.
+            master_address, master_port: this trainer's rendezvous address,
+                reachable from the service's engines (port 0: a free one).
+            timeout_s: bound on every wait of the group, on both sides.
+            chunk_mb: gloo's transfer unit, in MiB.
+            mode: gloo's "chain" (sent once, forwarded engine to engine) or
+                "broadcast".
+        """
+        from trainer_client.collective import CollectiveGroup
+
+        options = (backend, master_address, master_port, timeout_s, int(chunk_mb * 1024 * 1024), mode)
+        group = self._collective
+        if group is not None and group.options != options:
+            group.close()
+            group = None
+        for attempt in range(2):
+            if group is None:
+                group = CollectiveGroup(self._stub, self._md, *options)
+                group.options = options
+            self._collective = group
+            try:
+                applied, seconds, sent = await group.push(state_dict, version)
+                return PushResult(applied_version=applied, bytes_received=sent, seconds=seconds)
+            except grpc.aio.AioRpcError as exc:
+                group.close()
+                self._collective = group = None
+                # The service's group changed (an engine restarted): form it again, once.
+                if attempt or exc.code() != grpc.StatusCode.FAILED_PRECONDITION or "InitWeightTransfer" not in (
+                        exc.details() or ""):
+                    raise
+            except BaseException:
+                group.close()
+                self._collective = None
+                raise
+        raise AssertionError("unreachable")
+
+    async def close_collective(self) -> None:
+        """Leave the collective transfer group (the service's side too)."""
+        group, self._collective = self._collective, None
+        if group is not None:
+            group.close()
+            await self._stub.CloseWeightTransfer(pb.CloseWeightTransferRequest(), metadata=self._md)
 
     async def push_weights_file(self, path: str, version: int, target: str = "policy") -> PushResult:
         """Same-host fast path: the service reads a safetensors file itself;

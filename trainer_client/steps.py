@@ -76,8 +76,8 @@ class StepRollout:
             self._stream = self.client.stream(ack_every=1 << 62).__aiter__()
         while len(self._complete) < self.groups_per_step and (self.in_flight > 0 or not self.exhausted):
             sample = await self._stream.__anext__()
-            if sample.group_id not in self._order:
-                continue  # not ours
+            if sample.group_id not in self._order or sample.awaiting_observation:
+                continue  # not ours, or a turn event (answered by trajectory_groups)
             self._partial.setdefault(sample.group_id, []).append(sample)
             if sample.group_complete:
                 group = sorted(self._partial.pop(sample.group_id), key=lambda s: s.index)

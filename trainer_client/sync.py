@@ -102,10 +102,14 @@ class SyncRolloutClient:
     submit_detailed = _blocking(RolloutClient.submit_detailed)
     stream = _blocking_iter(RolloutClient.stream)
     groups = _blocking_iter(RolloutClient.groups)
+    trajectory_groups = _blocking_iter(RolloutClient.trajectory_groups)
+    continue_trajectory = _blocking(RolloutClient.continue_trajectory)
     ack = _blocking(RolloutClient.ack)
     abort = _blocking(RolloutClient.abort)
     push_weights = _blocking(RolloutClient.push_weights)
     push_weights_file = _blocking(RolloutClient.push_weights_file)
+    push_weights_collective = _blocking(RolloutClient.push_weights_collective)
+    close_collective = _blocking(RolloutClient.close_collective)
     status = _blocking(RolloutClient.status)
 
     def close(self) -> None:

@@ -4,12 +4,64 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 FINISH_REASONS = {0: "unspecified", 1: "stop", 2: "length", 3: "aborted"}
+TURN_KINDS = {0: "unspecified", 1: "generated", 2: "observation"}
+#: The version of a response token no policy sampled (a trajectory's observation).
+NO_VERSION = -1
+
+
+@dataclass(slots=True)
+class Turn:
+    """A span of a multi-turn trajectory's response: `kind` "generated"
+    (sampled by the policy, trained on) or "observation" (appended between
+    turns, masked out). `response_token_ids[start:start + length]`. A
+    generated turn names the engine it started on and why it ended; an
+    observation's `tool_seconds` is how long it took to arrive after its
+    turn ended. Times are seconds since the epoch."""
+
+    kind: str
+    start: int
+    length: int
+    engine_id: str = ""
+    finish_reason: str = "unspecified"
+    started_at: float = 0.0
+    finished_at: float = 0.0
+    tool_seconds: float = 0.0
+
+    @classmethod
+    def from_pb(cls, t) -> "Turn":
+        return cls(kind=TURN_KINDS.get(t.kind, "unspecified"), start=t.start, length=t.length, engine_id=t.engine_id,
+                   finish_reason=FINISH_REASONS.get(t.finish_reason, "unspecified"), started_at=t.started_at,
+                   finished_at=t.finished_at, tool_seconds=t.tool_seconds)
+
+
+@dataclass(slots=True)
+class MultiTurn:
+    """Makes a PromptGroup multi-turn: each sample is a trajectory of at
+    most `max_turns` generated turns (`PromptGroup.max_tokens` is the budget
+    of one turn) with observations between them. `max_total_tokens` bounds
+    the whole response, observations included (0: only the model's context
+    does). `environment` names a service-side environment that answers each
+    turn; empty: the trainer answers (`RolloutClient.trajectory_groups`, or
+    `continue_trajectory` on each turn event)."""
+
+    max_turns: int
+    max_total_tokens: int = 0
+    environment: str = ""
 
 
 @dataclass(slots=True)
 class CompletedSample:
     """One completion. `versions` are (version, start, length) segments:
-    every response token carries the policy version that sampled it."""
+    every response token carries the policy version that sampled it.
+
+    A multi-turn trajectory's response holds its generated turns and the
+    observations between them: `turns` are its spans in order,
+    `response_mask` is 1 per generated and 0 per observation token (all 1
+    for a single-turn sample), and `versions` has no segment over an
+    observation (`token_versions()` gives those tokens NO_VERSION, -1). A
+    sample with `awaiting_observation` is a turn event, not a finished
+    sample: the trajectory so far, waiting for an answer to its last turn
+    (`RolloutClient.continue_trajectory(sample_id, turn_index, ...)`)."""
 
     sample_id: str
     group_id: str
@@ -35,6 +87,15 @@ class CompletedSample:
     batch_id: str = ""
     metadata: dict[str, str] = field(default_factory=dict)
     drop_reason: str = ""
+    turns: list[Turn] = field(default_factory=list)
+    response_mask: list[int] = field(default_factory=list)
+    awaiting_observation: bool = False
+
+    @property
+    def turn_index(self) -> int:
+        """The number of the last generated turn (from 0): what a turn
+        event's answer names; -1 for a single-turn sample."""
+        return sum(1 for t in self.turns if t.kind == "generated") - 1
 
     @property
     def behaviour_logprobs(self) -> list[float]:
@@ -42,21 +103,28 @@ class CompletedSample:
         importance weighting against the current policy)."""
         return self.logprobs
 
-    def loss_mask(self, current_version: int, max_lag: int) -> list[int]:
-        """1 for tokens sampled at most `max_lag` versions before
-        `current_version`, 0 for staler ones (mask them out of the loss)."""
+    def loss_mask(self, current_version: int | None = None, max_lag: int | None = None) -> list[int]:
+        """One entry per response token: 1 to train on, 0 to mask out.
+        Observations of a trajectory are 0; with `current_version` and
+        `max_lag`, so are tokens sampled more than `max_lag` versions before
+        `current_version` (too stale)."""
+        mask = list(self.response_mask) or [1] * len(self.response_token_ids)
+        if current_version is None or max_lag is None:
+            return mask
         oldest = current_version - max_lag
-        return [1 if v >= oldest else 0 for v in self.token_versions()]
+        return [m if v >= oldest else 0 for m, v in zip(mask, self.token_versions())]
 
     def token_versions(self) -> list[int]:
-        """The policy version of each response token."""
-        out: list[int] = []
-        for version, _, length in self.versions:
-            out.extend([version] * length)
+        """The policy version of each response token (NO_VERSION, -1, for a
+        trajectory's observation tokens)."""
+        out = [NO_VERSION] * len(self.response_token_ids)
+        for version, start, length in self.versions:
+            out[start:start + length] = [version] * length
         return out
 
     @classmethod
-    def from_pb(cls, s, cursor: int = 0, group_complete: bool = False) -> "CompletedSample":
+    def from_pb(cls, s, cursor: int = 0, group_complete: bool = False,
+                awaiting_observation: bool = False) -> "CompletedSample":
         return cls(
             sample_id=s.sample_id,
             group_id=s.group_id,
@@ -82,13 +150,20 @@ class CompletedSample:
             batch_id=s.batch_id,
             metadata=dict(s.metadata),
             drop_reason=s.drop_reason,
+            turns=[Turn.from_pb(t) for t in s.turns],
+            response_mask=list(s.loss_mask) or [1] * len(s.response_token_ids),
+            awaiting_observation=awaiting_observation,
         )
 
 
 @dataclass(slots=True)
 class PromptGroup:
     """A GRPO group to submit: one prompt (token ids or text), `num_samples`
-    completions, sampling settings (None means the server's default)."""
+    completions, sampling settings (None means the server's default).
+    `multi_turn` makes each completion a trajectory of turns (then
+    `max_tokens` is the budget of one turn and `stop` strings or
+    `stop_token_ids` typically hold the tool-call delimiters; stop strings
+    need vLLM engines)."""
 
     prompt_token_ids: list[int] | None = None
     prompt_text: str = ""
@@ -99,9 +174,11 @@ class PromptGroup:
     top_k: int | None = None
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)
     group_id: str = ""
     prompt_id: str = ""
     metadata: dict[str, str] = field(default_factory=dict)
+    multi_turn: MultiTurn | None = None
 
 
 @dataclass(slots=True)

@@ -1,16 +1,19 @@
-"""Turning a state dict into a rollout.v1 weight push (manifest + chunks).
+"""Turning a state dict into a rollout.v1 weight push (manifest + chunks,
+and the digests in a trailer).
 
 The chunks are lists of memoryviews over the tensors' own bytes; the
 request serializer (`serialize_chunk`) writes each straight into the one
-`bytes` gRPC sends, so a byte is copied once on its way to the wire.
+`bytes` gRPC sends, so a byte is copied once on its way to the wire. The
+digests are computed on a thread while the chunks stream (`digests`), and
+sent after them in a WeightsTrailer.
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from typing import Iterator, Mapping
 
 from rollout_proto import rollout_pb2 as pb
+from trainer_client.checksums import hexdigest, new_hasher
 
 # checksums= of push_weights -> the wire's checksum_algo ("" with sha256:
 # only the TensorSpec.sha256 field, which every service version verifies).
@@ -65,13 +68,31 @@ def manifest(tensors: list[FlatTensor], with_checksums: "bool | str" = True) -> 
     for t in tensors:
         spec = pb.TensorSpec(name=t.name, dtype=t.dtype, shape=list(t.shape), byte_length=len(t.data))
         if algo == "sha256":
-            spec.sha256 = hashlib.sha256(t.data).hexdigest()
+            spec.sha256 = hexdigest("sha256", t.data)
         elif algo:
-            import xxhash
-
-            spec.digest = getattr(xxhash, algo)(t.data).hexdigest()
+            spec.digest = hexdigest(algo, t.data)
         specs.append(spec)
     return specs
+
+
+# Hashed in pieces of this size: a cancelled push stops hashing soon, and
+# python-xxhash (the fallback, which holds the GIL) lets the stream run between.
+_HASH_PIECE = 16 * 1024 * 1024
+
+
+def digests(tensors: list[FlatTensor], algo: str, stop=None) -> list[str]:
+    """Each tensor's hex digest under `algo`, for a WeightsTrailer (blocks,
+    mostly without the GIL: run it on a thread while the chunks stream).
+    Returns early (incomplete) once the `stop` event is set."""
+    out = []
+    for t in tensors:
+        h = new_hasher(algo)
+        for offset in range(0, len(t.data), _HASH_PIECE):
+            if stop is not None and stop.is_set():
+                return out
+            h.update(t.data[offset : offset + _HASH_PIECE])
+        out.append(h.hexdigest())
+    return out
 
 
 def chunks(header: pb.WeightsHeader, tensors: list[FlatTensor], chunk_bytes: int) -> Iterator[object]:

@@ -16,7 +16,13 @@ Named workloads (`load_workload(name)`):
 | `intern-tool` | Intern-S1 tool-use sessions (call count, then a Gaussian per count) |
 | `synthetic` | a heavy-tailed generator with named parameters (`synthetic:median=300,sigma=1.2`) |
 | `tiny-reasoner` | real prompts of `rollout_service.tasks` (the bundled tiny model's tasks) |
-| a path | a folder of `packed_lengths_step_*.jsonl` files, or one such file |
+| `search-r1` | PolyTrace `search_r1_multiturn/` (multi-turn search agent): 3 steps x 256 groups x 8 trajectories |
+| a path | a folder of `packed_lengths_step_*.jsonl` (or `multiturn_workload_step_*.jsonl[.gz]`) files, or one such file |
+
+A multi-turn workload's groups carry a `TrajectoryShape` per sample: the
+generated length of each turn, and between turns the tool's latency and the
+observation's length; `output_lens` is then each trajectory's generated
+tokens (what is trained on).
 
 The PolyTrace folder is `$ROLLOUT_WORKLOADS_DIR` (default: `workloads/polytrace`
 at the repository root).
@@ -42,6 +48,21 @@ def workloads_dir() -> Path:
 
 
 @dataclass(slots=True)
+class TrajectoryShape:
+    """One multi-turn trajectory: tokens generated per turn, and after each
+    turn but the last the tool's latency (seconds) and the observation's
+    length (tokens) appended before the next turn."""
+
+    turn_lens: list[int]
+    tool_s: list[float]
+    observation_lens: list[int]
+
+    @property
+    def generated(self) -> int:
+        return sum(self.turn_lens)
+
+
+@dataclass(slots=True)
 class GroupShape:
     """One GRPO group of a workload (lengths in tokens).
 
@@ -53,6 +74,7 @@ class GroupShape:
     output_lens: list[int]
     prompt_token_ids: list[int] | None = None
     problem: object | None = None
+    trajectories: list[TrajectoryShape] | None = None  # multi-turn: one per sample
 
     @property
     def num_samples(self) -> int:
@@ -74,6 +96,14 @@ class Workload:
     length_scale: float = 1.0
     params: dict[str, object] = field(default_factory=dict)
     vocab_size: int = 0  # > 0 when prompt ids must come from a real vocabulary
+
+    @property
+    def multi_turn(self) -> bool:
+        return any(g.trajectories for step in self.steps for g in step)
+
+    @property
+    def max_turns(self) -> int:
+        return max((len(t.turn_lens) for step in self.steps for g in step for t in (g.trajectories or ())), default=0)
 
     @property
     def groups_per_step(self) -> int:
@@ -142,6 +172,9 @@ def scaled(workload: Workload, scale: float) -> Workload:
                 [scale_length(L, scale) for L in g.output_lens],
                 g.prompt_token_ids,
                 g.problem,
+                [TrajectoryShape([scale_length(L, scale) for L in t.turn_lens], list(t.tool_s),
+                                 [scale_length(L, scale) for L in t.observation_lens])
+                 for t in g.trajectories] if g.trajectories else None,
             )
             for g in step
         ]
@@ -152,9 +185,10 @@ def scaled(workload: Workload, scale: float) -> Workload:
 
 
 TRACES = {"math": "math_dapo_32b", "code": "code_deepcoder_14b", "video": "video_vl_7b"}
+MULTI_TURN_TRACES = {"search-r1": "search_r1_multiturn"}
 TRACE_CAPS = {"code": 16000}  # response caps stated by the trace (README); others: the longest sample
 FITTED = {"intern-math": "math_task", "intern-tool": "tool_calling_task"}
-WORKLOADS = (*TRACES, *FITTED, "synthetic", "tiny-reasoner")
+WORKLOADS = (*TRACES, *MULTI_TURN_TRACES, *FITTED, "synthetic", "tiny-reasoner")
 
 
 def load_workload(
@@ -173,6 +207,10 @@ def load_workload(
     base, _, arg = name.partition(":")
     if base in TRACES:
         w = polytrace.load_trace(workloads_dir() / TRACES[base], name=base, cap=TRACE_CAPS.get(base))
+    elif base in MULTI_TURN_TRACES:
+        w = polytrace.load_multiturn(workloads_dir() / MULTI_TURN_TRACES[base], name=base)
+    elif Path(name).exists() and polytrace.is_multiturn(Path(name)):
+        w = polytrace.load_multiturn(Path(name), name=Path(name).stem)
     elif base in FITTED:
         w = polytrace.sample_fitted(
             workloads_dir() / "fitted_distributions_intern_s1.json", FITTED[base], name=base, seed=seed,

@@ -16,6 +16,10 @@ _SERVICE_PREFIX = "/rollout.v1.RolloutService/"
 _OPEN_HTTP = ("/healthz", "/health", "/readyz", "/metrics")
 
 
+# RPCs that change the served weights (or the group that carries them).
+WEIGHTS_METHODS = frozenset({"PushWeights", "InitWeightTransfer", "CollectiveUpdate", "CloseWeightTransfer"})
+
+
 class TokenAuth:
     def __init__(self, submit_tokens: list[str], weights_tokens: list[str]) -> None:
         self._submit = [t.encode() for t in submit_tokens if t]
@@ -75,7 +79,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or not details.method.startswith(_SERVICE_PREFIX):
             return handler
         metadata = dict(details.invocation_metadata or ())
-        need = "weights" if details.method.endswith("/PushWeights") else "submit"
+        need = "weights" if details.method.rsplit("/", 1)[-1] in WEIGHTS_METHODS else "submit"
         refusal = self.auth.check(metadata.get("authorization"), need)
         return handler if refusal is None else _deny(handler, *refusal)
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from rollout_proto import rollout_pb2 as pb
 from rollout_service.core.status import CoreStatus, EngineStatus
-from rollout_service.lifecycle.types import Sample
+from rollout_service.lifecycle.types import Sample, Turn
+from rollout_service.lifecycle.versions import NO_VERSION
 from rollout_service.engines.weights import TensorSpec
 from rollout_service.drafter.status import SpecStatus
 
@@ -18,7 +19,9 @@ def sample_to_pb(s: Sample) -> pb.Sample:
         prompt_token_ids=s.prompt_token_ids,
         response_token_ids=s.response_token_ids,
         logprobs=s.logprobs,
-        versions=[pb.VersionSegment(version=v, start=a, length=n) for v, a, n in s.versions.segments],
+        # Observation tokens carry no policy version: their segments are left out.
+        versions=[pb.VersionSegment(version=v, start=a, length=n) for v, a, n in s.versions.segments
+                  if v != NO_VERSION],
         min_version=s.versions.min_version,
         max_version=s.versions.max_version,
         finish_reason=int(s.finish_reason),
@@ -30,6 +33,19 @@ def sample_to_pb(s: Sample) -> pb.Sample:
         metadata=s.metadata,
         batch_id=s.batch_id,
         drop_reason=s.drop_reason,
+        turns=[turn_to_pb(t) for t in s.turns],
+        loss_mask=s.loss_mask,
+    )
+
+
+_TURN_KINDS = {"generated": pb.Turn.KIND_GENERATED, "observation": pb.Turn.KIND_OBSERVATION}
+
+
+def turn_to_pb(t: Turn) -> pb.Turn:
+    return pb.Turn(
+        kind=_TURN_KINDS[t.kind], start=t.start, length=t.length, engine_id=t.engine_id,
+        finish_reason=int(t.finish_reason) if t.finish_reason is not None else 0,
+        started_at=t.started_at, finished_at=t.finished_at, tool_seconds=t.tool_s,
     )
 
 

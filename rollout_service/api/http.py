@@ -46,9 +46,12 @@ def make_app(core: RolloutCore, openai: "OpenAIFrontEnd | None" = None,
         st["engines"] = [
             {"engine_id": e.load.engine_id, "kind": e.load.kind, "state": e.load.state, "running": e.load.running,
              "waiting": e.load.waiting, "kv_usage": e.load.kv_usage, "tokens_per_s": e.load.tokens_per_s,
-             "assigned": e.assigned}
+             "assigned": e.assigned, "prefix_cache_queried_tokens": e.load.prefix_cache_queried_tokens,
+             "prefix_cache_hit_tokens": e.load.prefix_cache_hit_tokens}
             for e in snapshot.engines
         ]
+        st["prefix_cache_queried_tokens"] = snapshot.prefix_cache_queried_tokens
+        st["prefix_cache_hit_tokens"] = snapshot.prefix_cache_hit_tokens
         if spec_runtime is not None:
             st["spec"] = spec_runtime.status().to_dict()
         return web.json_response(st)

@@ -37,6 +37,13 @@ COUNTER_HELP = {
     "engine_restarts": "Engines restarted after a failure.",
     "migrations": "Running requests moved from one engine to another.",
     "requests_requeued": "Requests put back in the queue (engine failure, preemption).",
+    "turns_completed": "Generated turns of multi-turn trajectories finished.",
+    "turn_events": "Turn events delivered to trainers (trainer-driven trajectories waiting for an observation).",
+    "observations_appended": "Observations appended to trajectories (from Continue or an environment).",
+    "observation_tokens": "Tokens of the observations appended to trajectories.",
+    "observations_too_long": "Environment observations that did not fit their trajectory (it ended at its length limit).",
+    "trajectory_moves": "Trajectory turns placed on another engine than the one holding their prefix.",
+    "environment_errors": "Environment calls that failed (the trajectory ends, aborted).",
 }
 HISTOGRAM_HELP = {
     "sample_latency_seconds": "Seconds from a sample being queued to it finishing.",
@@ -110,6 +117,14 @@ def core_families(st: CoreStatus) -> Iterator[Metric]:
         family = GaugeMetricFamily(f"rollout_engine_{series}", help_, labels=["engine"])
         for e in st.engines:
             family.add_metric([e.load.engine_id], read(e))
+        yield family
+    for series, help_ in (
+        ("prefix_cache_queried_tokens", "Prompt tokens looked up in the engine's prefix cache at admission."),
+        ("prefix_cache_hit_tokens", "Prompt tokens found in the engine's prefix cache (prefill skipped)."),
+    ):
+        family = CounterMetricFamily(f"rollout_engine_{series}", help_, labels=["engine"])
+        for e in st.engines:
+            family.add_metric([e.load.engine_id], getattr(e.load, series))
         yield family
     up = GaugeMetricFamily("rollout_engine_state", "1 for the engine's state (starting, ready, updating, dead).",
                            labels=["engine", "state"])

@@ -27,7 +27,7 @@ import uuid
 
 from aiohttp import web
 
-from rollout_service.api.validation import ModelLimits
+from rollout_service.api.validation import MAX_STOP_STRINGS, MAX_TEMPERATURE, ModelLimits
 from rollout_service.core.rollout import CoreError, RolloutCore
 from rollout_service.engines.types import FinishReason, SamplingParams
 from rollout_service.lifecycle.types import DeltaEvent, GroupSpec, Sample, SampleEvent
@@ -55,7 +55,6 @@ _UNSUPPORTED = {"functions", "function_call", "audio", "modalities", "prediction
                 "documents", "priority", "request_id", "cache_salt", "logits_processors", "vllm_xargs",
                 "kv_transfer_params", "prompt_embeds", "echo", "suffix", "logit_bias", "best_of",
                 "response_format", "parallel_tool_calls"} | set(_NEUTRAL)
-MAX_STOP_STRINGS = 16
 SESSION_HEADER = "X-Session-Id"
 
 
@@ -315,7 +314,7 @@ class OpenAIFrontEnd:
         max_tokens = _number(body, "max_tokens", min(256, budget), 1, budget, integer=True)
         if "max_completion_tokens" in body:
             max_tokens = _number(body, "max_completion_tokens", max_tokens, 1, budget, integer=True)
-        temperature = _number(body, "temperature", 1.0, 0.0, 100.0)
+        temperature = _number(body, "temperature", 1.0, 0.0, MAX_TEMPERATURE)
         top_p = _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
         top_k = _number(body, "top_k", -1, -1, self.limits.vocab_size, integer=True)  # 0 or -1: all tokens
         for key, neutral in _NEUTRAL.items():

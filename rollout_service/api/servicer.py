@@ -10,10 +10,10 @@ import grpc
 
 from rollout_proto import rollout_pb2 as pb
 from rollout_proto import rollout_pb2_grpc as pb_grpc
-from rollout_service.api import convert, validation
+from rollout_service.api import collective, convert, validation
 from rollout_service.api.validation import FieldError, ModelLimits, TooLarge
 from rollout_service.core.rollout import CoreError, RolloutCore
-from rollout_service.api.weights_receiver import ApplyFailed, ApplyTimedOut, PushStalled, WeightsReceiver
+from rollout_service.api.weights_receiver import PUSH_ACCEPTED, ApplyFailed, ApplyTimedOut, PushStalled, WeightsReceiver
 from rollout_service.engines.base import WeightsRejected
 from rollout_service.engines.weights import ManifestError
 
@@ -76,6 +76,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                 cursor=entry.cursor,
                 sample=convert.sample_to_pb(entry.sample),
                 group_complete=entry.group_complete,
+                awaiting_observation=entry.sample.awaiting_observation,
             )
 
     async def Ack(self, request: pb.AckRequest, context) -> pb.AckResponse:
@@ -95,6 +96,22 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             await _fail(context, exc)
         return pb.AbortResponse(aborted_groups=n, partial_samples=[convert.sample_to_pb(s) for s in partials])
 
+    async def Continue(self, request: pb.ContinueRequest, context) -> pb.ContinueResponse:
+        """Answer a trainer-driven trajectory's turn event: append the
+        observation and queue its next turn, or end it (`done`)."""
+        try:
+            answer = validation.continue_request(request, self.limits, self.tokenizer)
+            applied = self.core.continue_trajectory(answer.sample_id, answer.turn, answer.observation_token_ids,
+                                                    answer.done)
+        except FieldError as exc:
+            await _fail(context, exc)
+        except CoreError as exc:
+            if request.observation_text and str(exc).startswith("observation_token_ids"):
+                # The text was tokenized here: name the field the caller set.
+                exc = CoreError(exc.code, "observation_text (tokenized)" + str(exc)[len("observation_token_ids"):])
+            await _fail(context, exc)
+        return pb.ContinueResponse(applied=applied)
+
     async def GetStatus(self, request: pb.StatusRequest, context) -> pb.StatusResponse:
         spec = self.spec_runtime.status() if self.spec_runtime is not None else None
         return convert.status_to_pb(self.core.status(), self.model_name, spec)
@@ -103,7 +120,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         """Receive, verify and stage a push, then apply it (api/weights_receiver.py)."""
         t0 = time.perf_counter()
         try:
-            weights = await self.weights.receive(request_iterator)
+            weights = await self.weights.receive(
+                request_iterator, accepted=lambda: context.send_initial_metadata(PUSH_ACCEPTED))
             version = await self.weights.apply(weights)
         except PushStalled as exc:
             log.warning("weight push abandoned: %s", exc)
@@ -119,6 +137,20 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             await _fail(context, exc)
         return pb.PushWeightsResponse(applied_version=version, bytes_received=weights.bytes_received,
                                       seconds=time.perf_counter() - t0)
+
+    # Collective weight transfer (api/collective.py).
+    async def GetWeightTransferPlan(self, request, context):
+        return await collective.get_plan(self.core, request, context)
+
+    async def InitWeightTransfer(self, request, context):
+        return await collective.init(self.core, request, context)
+
+    async def CollectiveUpdate(self, request, context):
+        async for event in collective.update(self.core, request, context):
+            yield event
+
+    async def CloseWeightTransfer(self, request, context):
+        return await collective.close(self.core, request, context)
 
 
 SERVICE = "rollout.v1.RolloutService"

@@ -11,9 +11,13 @@ from typing import Protocol
 
 from rollout_proto import rollout_pb2 as pb
 from rollout_service.engines.types import SamplingParams
-from rollout_service.lifecycle.types import GroupSpec
+from rollout_service.lifecycle.types import GroupSpec, MultiTurnSpec
 
 MAX_NUM_SAMPLES = 1024
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_TEMPERATURE = 2.0  # vLLM refuses hotter sampling; so does the OpenAI API
+MAX_TURNS = 1024
 MAX_ID_CHARS = 256
 MAX_METADATA_BYTES = 65_536
 # A Submit with more prompt texts than this is validated in a worker thread:
@@ -32,7 +36,7 @@ class TooLarge(ValueError):
 
 
 class Tokenizer(Protocol):
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
     def decode(self, token_ids: list[int]) -> str: ...
 
 
@@ -42,6 +46,7 @@ class ModelLimits:
     max_model_len: int
     max_groups_per_submit: int = 4096
     max_samples_per_submit: int = 65_536
+    text: bool = True  # the engines detokenize (stop strings work); False on simulated engines
 
 
 def _check_id(field: str, value: str) -> None:
@@ -63,8 +68,8 @@ def sampling_params(field: str, sp: pb.SamplingParams, prompt_len: int, limits: 
             f"must be in [1, {budget}] (max_model_len {limits.max_model_len} - prompt {prompt_len}), got {sp.max_tokens}",
         )
     temperature = sp.temperature if sp.HasField("temperature") else 1.0
-    if not (math.isfinite(temperature) and 0.0 <= temperature <= 100.0):
-        raise FieldError(f"{field}.temperature", f"must be in [0, 100], got {temperature}")
+    if not (math.isfinite(temperature) and 0.0 <= temperature <= MAX_TEMPERATURE):
+        raise FieldError(f"{field}.temperature", f"must be in [0, {MAX_TEMPERATURE:g}], got {temperature}")
     top_p = sp.top_p if sp.HasField("top_p") else 1.0
     if not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
         raise FieldError(f"{field}.top_p", f"must be in (0, 1], got {top_p}")
@@ -72,6 +77,15 @@ def sampling_params(field: str, sp: pb.SamplingParams, prompt_len: int, limits: 
     if top_k != -1 and not 1 <= top_k <= limits.vocab_size:
         raise FieldError(f"{field}.top_k", f"must be -1 or in [1, {limits.vocab_size}], got {top_k}")
     _check_tokens(f"{field}.stop_token_ids", sp.stop_token_ids, limits.vocab_size)
+    if sp.stop:
+        if len(sp.stop) > MAX_STOP_STRINGS:
+            raise FieldError(f"{field}.stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(sp.stop)}")
+        for j, stop in enumerate(sp.stop):
+            if not 1 <= len(stop) <= MAX_STOP_CHARS:
+                raise FieldError(f"{field}.stop[{j}]", f"must be 1-{MAX_STOP_CHARS} characters, got {len(stop)}")
+        if not limits.text:
+            raise FieldError(f"{field}.stop", "stop strings need engines that detokenize (vLLM); this server's "
+                             "engines are simulated: use stop_token_ids")
     return SamplingParams(
         max_tokens=sp.max_tokens,
         temperature=float(temperature),
@@ -79,6 +93,7 @@ def sampling_params(field: str, sp: pb.SamplingParams, prompt_len: int, limits: 
         top_k=top_k,
         stop_token_ids=tuple(sp.stop_token_ids),
         seed=sp.seed if sp.HasField("seed") else None,
+        stop=tuple(sp.stop),
     )
 
 
@@ -117,6 +132,7 @@ def submit_request(req: pb.SubmitRequest, limits: ModelLimits, tokenizer: Tokeni
         if not g.HasField("sampling"):
             raise FieldError(f"{f}.sampling.max_tokens", f"must be in [1, {limits.max_model_len - len(prompt)}], got 0")
         sampling = sampling_params(f"{f}.sampling", g.sampling, len(prompt), limits)
+        multi_turn = multi_turn_spec(f"{f}.multi_turn", g.multi_turn) if g.HasField("multi_turn") else None
         specs.append(
             GroupSpec(
                 group_id=g.group_id,
@@ -127,12 +143,53 @@ def submit_request(req: pb.SubmitRequest, limits: ModelLimits, tokenizer: Tokeni
                 prompt_text=g.prompt_text,
                 metadata=dict(g.metadata),
                 batch_id=req.batch_id,
+                multi_turn=multi_turn,
             )
         )
     total = sum(s.num_samples for s in specs)
     if total > limits.max_samples_per_submit:
         raise TooLarge(f"groups: {total} samples exceed the limit of {limits.max_samples_per_submit} per Submit")
     return specs
+
+
+def multi_turn_spec(field: str, mt: pb.MultiTurn) -> MultiTurnSpec:
+    """A group's multi-turn settings. The per-turn budget is the group's
+    sampling.max_tokens (checked against the context as for any group); an
+    environment name the service does not know is the core's to reject."""
+    if not 1 <= mt.max_turns <= MAX_TURNS:
+        raise FieldError(f"{field}.max_turns", f"must be in [1, {MAX_TURNS}], got {mt.max_turns}")
+    _check_id(f"{field}.environment", mt.environment)
+    return MultiTurnSpec(max_turns=mt.max_turns, max_total_tokens=mt.max_total_tokens, environment=mt.environment)
+
+
+@dataclass(slots=True, frozen=True)
+class Continuation:
+    sample_id: str
+    turn: int
+    observation_token_ids: list[int]
+    done: bool
+
+
+def continue_request(req: pb.ContinueRequest, limits: ModelLimits, tokenizer: Tokenizer | None) -> Continuation:
+    """A trainer's answer to a turn event: the observation as token ids or
+    text (tokenized here), or done. Whether it fits the trajectory is the
+    core's to check."""
+    if not req.sample_id:
+        raise FieldError("sample_id", "must not be empty")
+    _check_id("sample_id", req.sample_id)
+    if req.observation_token_ids and req.observation_text:
+        raise FieldError("observation_text", "set observation_token_ids or observation_text, not both")
+    if req.done and (req.observation_token_ids or req.observation_text):
+        field = "observation_token_ids" if req.observation_token_ids else "observation_text"
+        raise FieldError(field, "must be empty with done: a finished trajectory takes no observation")
+    if req.observation_text:
+        if tokenizer is None:
+            raise FieldError("observation_text", "this server has no tokenizer; send observation_token_ids")
+        observation = list(tokenizer.encode(req.observation_text, add_special_tokens=False))
+    else:
+        observation = list(req.observation_token_ids)
+        _check_tokens("observation_token_ids", observation, limits.vocab_size)
+    return Continuation(req.sample_id, req.turn, observation, req.done)
 
 
 async def submit_request_off_loop(req: pb.SubmitRequest, limits: ModelLimits,

@@ -15,8 +15,9 @@ others) find here what they ask for besides the OpenAI endpoints
   `sampling_params`, no multimodal features, no streaming); a key this
   server does not honour, at the top or in `sampling_params`, is a 400
   naming it.
-- `POST /reset_prefix_cache`: the engines drop their prefix caches at every
-  weight update by themselves; answers `{"success": true}`.
+- `POST /reset_prefix_cache`: nothing to do: the engines' prefix caches are
+  partitioned by policy version (every request's `cache_salt`), so no
+  request reuses KV computed by other weights; answers `{"success": true}`.
 - `GET /weight_info`: the serving policy version.
 - The NCCL weight-transfer endpoints (`/init_weight_transfer_engine`,
   `/start_weight_update`, `/update_weights`, `/finish_weight_update`, ...)
@@ -141,8 +142,8 @@ class VllmCompat:
         return web.json_response({"weight_version": str(self.core.policy_version)})
 
     async def reset_prefix_cache(self, _request: web.Request) -> web.Response:
-        # Engines clear their prefix caches when new weights are applied;
-        # between updates the cached prefixes are those of the serving weights.
+        # Prefix caches are partitioned by policy version (cache_salt): no
+        # request reuses KV of other weights, so there is nothing to reset.
         return web.json_response({"success": True})
 
     async def weight_transfer(self, request: web.Request) -> web.Response:

@@ -23,7 +23,7 @@ import json
 import struct
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, AsyncIterable
+from typing import TYPE_CHECKING, AsyncIterable, Awaitable, Callable
 
 from rollout_proto import rollout_pb2 as pb
 from rollout_service.api import convert
@@ -48,6 +48,8 @@ TARGETS = ("policy", "draft")
 # Chunks handed to the writer thread and not yet written: bounds the memory a
 # push holds beyond its staging file (gRPC flow control holds back the rest).
 MAX_CHUNKS_IN_FLIGHT = 4
+# PushWeights' initial metadata once a streamed push's header is accepted.
+PUSH_ACCEPTED = (("rollout-push-accepted", "1"),)
 
 
 def parse_chunk(raw: bytes) -> "pb.WeightsChunk | memoryview":
@@ -113,11 +115,16 @@ class WeightsReceiver:
         self.spec_runtime = spec_runtime
         self.last_draft: StagedWeights | None = None  # the serving draft push
 
-    async def receive(self, messages: AsyncIterable[pb.WeightsChunk]) -> ReceivedWeights:
+    async def receive(self, messages: AsyncIterable[pb.WeightsChunk],
+                      accepted: "Callable[[], Awaitable[None]] | None" = None) -> ReceivedWeights:
         """Read a push: a `WeightsHeader` first, then either nothing (the
         header names a same-host safetensors `file_path`) or the tensors'
         bytes as data messages. Checks the manifest against the target model
-        before any byte is buffered, then every tensor's checksum."""
+        before any byte is buffered, then every tensor's checksum.
+        `accepted` is awaited once the header of a streamed push has passed
+        (the RPC sends its initial metadata: a sender may wait for it before
+        streaming, so that a refusal reaches it as the refusal's status, not
+        as a failed write)."""
         first = await anext(aiter(messages), None)
         if first is None or isinstance(first, memoryview) or first.WhichOneof("kind") != "header":
             raise FieldError("header", "the first message of PushWeights must be a WeightsHeader")
@@ -139,7 +146,11 @@ class WeightsReceiver:
         specs = convert.tensor_specs(header)
         total = check_manifest(specs, self.max_weights_bytes)
         check(header.version, {s.name: (s.dtype, s.shape) for s in specs})
-        staged = await _receive_into_file(_with_idle_timeout(messages, self.push_idle_timeout_s), specs)
+        # A checksum algorithm and no checksum in the manifest: the digests follow the data.
+        trailer_algo = header.checksum_algo if header.checksum_algo and not any(s.checks() for s in specs) else ""
+        if accepted is not None:
+            await accepted()
+        staged = await _receive_into_file(_with_idle_timeout(messages, self.push_idle_timeout_s), specs, trailer_algo)
         return ReceivedWeights(target, header.version, staged, total)
 
     async def apply(self, weights: ReceivedWeights) -> int:
@@ -199,20 +210,35 @@ async def _read_file(path: str) -> tuple[list[TensorSpec], memoryview]:
         raise FieldError("header.file_path", f"{path!r} is not a safetensors file ({exc})") from None
 
 
-async def _receive_into_file(messages: AsyncIterable, specs: list[TensorSpec]) -> StagedWeights:
+async def _receive_into_file(messages: AsyncIterable, specs: list[TensorSpec],
+                             trailer_algo: str = "") -> StagedWeights:
     """The data messages' bytes, exactly the manifest's total, written as
     they arrive into the staging file and hashed per tensor (StagingWriter),
     on one writer thread while the event loop receives the next chunks; a
-    bad checksum fails at the tensor it names, before the stream ends."""
+    bad checksum in the manifest fails at the tensor it names, before the
+    stream ends. With `trailer_algo`, a WeightsTrailer after the data
+    carries the digests, checked against the tensors' own."""
     # Made here, not in a thread: a cancellation (the sender gone) between
     # the file's creation and this frame holding it would leak the file.
-    writer = StagingWriter(specs)  # a few syscalls (create, header, truncate)
+    writer = StagingWriter(specs, trailer_algo=trailer_algo)  # a few syscalls (create, header, truncate)
     loop = asyncio.get_running_loop()
     pool = ThreadPoolExecutor(1, thread_name_prefix="weights-writer")
     pending: collections.deque[asyncio.Future] = collections.deque()
     received = 0
+    trailer: "pb.WeightsTrailer | None" = None
     try:
         async for msg in messages:
+            if trailer is not None:
+                raise FieldError("trailer", "the WeightsTrailer must be the push's last message")
+            if not isinstance(msg, memoryview) and msg.WhichOneof("kind") == "trailer":
+                if not trailer_algo:
+                    raise FieldError("trailer", "a WeightsTrailer is only sent when the header's checksum_algo is "
+                                     "set and its tensors carry no checksum")
+                if received != writer.total:
+                    raise FieldError("trailer", f"the WeightsTrailer came after {received} of the manifest's "
+                                     f"{writer.total} bytes; it follows all the data")
+                trailer = msg.trailer
+                continue
             data = _data(msg)
             received += len(data)
             if received > writer.total:
@@ -224,6 +250,11 @@ async def _receive_into_file(messages: AsyncIterable, specs: list[TensorSpec]) -
             await pending.popleft()
         if received != writer.total:
             raise FieldError("data", f"the stream ended after {received} of the manifest's {writer.total} bytes")
+        if trailer_algo:
+            if trailer is None:
+                raise FieldError("trailer", "the stream ended without the WeightsTrailer (the header's "
+                                 "checksum_algo is set and its tensors carry no checksum: the digests follow the data)")
+            writer.verify_trailer(list(trailer.digests))
         return writer.finish()
     except BaseException:
         try:

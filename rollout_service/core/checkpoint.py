@@ -19,7 +19,7 @@ from pathlib import Path
 from rollout_service.core.delivery import Consumer, Entry
 from rollout_service.core.snapshot import CoreSnapshot
 from rollout_service.engines.types import FinishReason, SamplingParams
-from rollout_service.lifecycle.types import Group, GroupSpec, Request, Sample
+from rollout_service.lifecycle.types import Group, GroupSpec, MultiTurnSpec, Request, Sample, Turn
 from rollout_service.lifecycle.versions import VersionTags
 from rollout_service.engines.weights import StagedWeights, read_safetensors, split_and_verify
 
@@ -36,19 +36,34 @@ def _spec_dict(spec: GroupSpec) -> dict:
 def _spec_from(d: dict) -> GroupSpec:
     sampling = d.pop("sampling")
     sampling["stop_token_ids"] = tuple(sampling["stop_token_ids"])
-    return GroupSpec(sampling=SamplingParams(**sampling), **d)
+    multi_turn = d.pop("multi_turn", None)
+    return GroupSpec(sampling=SamplingParams(**sampling), multi_turn=MultiTurnSpec(**multi_turn) if multi_turn else None,
+                     **d)
+
+
+def _turn_dict(t: Turn) -> dict:
+    d = dataclasses.asdict(t)
+    d["finish_reason"] = None if t.finish_reason is None else int(t.finish_reason)
+    return d
+
+
+def _turn_from(d: dict) -> Turn:
+    reason = d.pop("finish_reason")
+    return Turn(finish_reason=None if reason is None else FinishReason(reason), **d)
 
 
 def _sample_dict(s: Sample) -> dict:
     d = {f.name: getattr(s, f.name) for f in dataclasses.fields(Sample)}
     d["versions"] = s.versions.segments
     d["finish_reason"] = int(s.finish_reason)
+    d["turns"] = [_turn_dict(t) for t in s.turns]
     return d
 
 
 def _sample_from(d: dict) -> Sample:
     d["versions"] = VersionTags([list(x) for x in d["versions"]])
     d["finish_reason"] = FinishReason(d["finish_reason"])
+    d["turns"] = [_turn_from(t) for t in d.get("turns", [])]
     return Sample(**d)
 
 
@@ -64,7 +79,9 @@ def save(snapshot: CoreSnapshot, state_dir: str) -> Path:
             "requests": [
                 {"index": r.index, "token_ids": r.token_ids, "logprobs": r.logprobs, "versions": r.versions.segments,
                  "engines": r.engines, "num_migrations": r.num_migrations, "queued_at": r.queued_at,
-                 "first_token_at": r.first_token_at, "finished": r.finish_reason is not None}
+                 "first_token_at": r.first_token_at, "finished": r.finish_reason is not None,
+                 "turns": [_turn_dict(t) for t in r.turns], "turn_index": r.turn_index, "awaiting": r.awaiting,
+                 "answered_turn": r.answered_turn, "affinity": r.affinity}
                 for r in g.requests
             ],
         })
@@ -102,6 +119,9 @@ def load(state_dir: str) -> CoreSnapshot | None:
             req.token_ids, req.logprobs = rd["token_ids"], rd["logprobs"]
             req.versions = VersionTags([list(x) for x in rd["versions"]])
             req.engines, req.num_migrations, req.first_token_at = rd["engines"], rd["num_migrations"], rd["first_token_at"]
+            req.turns = [_turn_from(t) for t in rd.get("turns", [])]
+            req.turn_index, req.awaiting = rd.get("turn_index", 0), rd.get("awaiting", False)
+            req.answered_turn, req.affinity = rd.get("answered_turn", -1), rd.get("affinity")
             if rd["finished"]:
                 req.finish_reason = FinishReason.STOP  # already delivered; only counted
                 group.finished += 1

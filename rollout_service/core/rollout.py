@@ -7,6 +7,11 @@ An engine failure or a migration aborts the request with its partial
 response and re-queues it at the head: the partial is continued (re-prefill)
 wherever it lands next, so nothing generated is lost. The core never knows
 which engine kind it drives.
+
+A multi-turn group's samples are trajectories (see core/trajectories.py):
+a finished turn waits for an observation (from the trainer or an
+environment), which is appended and the next turn queued at the head, on
+the engine that holds its prefix when it has room.
 """
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ import logging
 import uuid
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
-from typing import Callable, Iterable, Protocol
+from typing import Awaitable, Callable, Iterable, Mapping, Protocol
 
 from rollout_service.core.clock import Clock
 from rollout_service.core.delivery import DeliveryLog
@@ -26,23 +31,41 @@ from rollout_service.core.requests import RequestTable
 from rollout_service.core.snapshot import CoreSnapshot
 from rollout_service.core.status import CoreStatus, EngineStatus
 from rollout_service.core.tasks import TaskSet
+from rollout_service.core.trajectories import Trajectories
+from rollout_service.core.collective import CollectiveTransfer
 from rollout_service.core.weight_sync import WeightSync
 from rollout_service.engines.base import Engine
 from rollout_service.engines.types import FinishReason
 from rollout_service.engines.weights import StagedWeights
-from rollout_service.lifecycle.types import CoreError, DeltaEvent, Group, GroupSpec, Request, Sample, SampleEvent
+from rollout_service.lifecycle.types import (
+    CoreError,
+    DeltaEvent,
+    EnvReply,
+    EnvRequest,
+    Group,
+    GroupSpec,
+    Request,
+    Sample,
+    SampleEvent,
+)
 from rollout_service.partial.carry_over import CarryOverConfig
 from rollout_service.scheduling.length_predictor import LengthPredictor
+from rollout_service.scheduling.affinity import place_affine
 from rollout_service.scheduling.placement import LoadView, Placement
 from rollout_service.scheduling.rebalancer import Move, RebalanceConfig
 
 log = logging.getLogger(__name__)
 
 PLACEMENT_RETRY_S = (0.1, 5.0)  # back-off after a placement error: first, doubling up to
+MAX_FAILURES_WITHOUT_PROGRESS = 5  # a request failing this often in a row without a token is given up
 
 
 class Detokenizer(Protocol):
     def decode(self, token_ids: list[int]) -> str: ...
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+
+Environment = Callable[[EnvRequest], Awaitable[EnvReply]]
 
 
 @dataclass(slots=True)
@@ -70,8 +93,11 @@ class RolloutCore:
         carry_over: CarryOverConfig | None = None,
         rebalance: RebalanceConfig | None = None,
         predictor: LengthPredictor | None = None,
+        environments: Mapping[str, Environment] | None = None,
+        affinity: bool = True,
     ) -> None:
         self.placement = placement
+        self.affinity = affinity  # a trajectory's next turn goes to the engine holding its prefix
         self.clock = clock or Clock()
         self.limits = limits or CoreLimits()
         self.detokenizer = detokenizer
@@ -89,6 +115,7 @@ class RolloutCore:
                            bring_up=self._bring_up, on_change=self._wake.set)
         self.weight_sync = WeightSync(self.fleet, carry_over or CarryOverConfig(), self.counters,
                                       self.histograms["weight_update_seconds"], self.clock.monotonic)
+        self.collective = CollectiveTransfer(self.fleet, self.weight_sync)  # collective pushes
         # One predictor serves placement and rebalancing; it learns from every finish.
         self.rebalancing = Rebalancing(rebalance, predictor or placement.predictor or (LengthPredictor() if rebalance else None),
                                        self.fleet, self.requests, self.migrate, self.clock.monotonic)
@@ -97,6 +124,7 @@ class RolloutCore:
         # Called with every finished sample (e.g. the online drafter trainer);
         # must be cheap. One that raises is counted (`finish_errors`) and logged.
         self.sample_taps: list[Callable[[Sample], None]] = []
+        self.trajectories = Trajectories(self, dict(environments or {}))
 
     # -- the parts, as attributes callers know -------------------------------------
 
@@ -154,6 +182,7 @@ class RolloutCore:
         # Restored from a checkpoint: serve its policy version before any work.
         await self.weight_sync.apply_restored()
         self._tasks.spawn(self._dispatch_loop(), name="dispatch")
+        self.trajectories.resume_restored()
         self._wake.set()  # restored work may be waiting
         self._tasks.spawn(self.fleet.watch(self.limits.health_interval_s), name="engine-watch")
         if self.rebalance is not None:
@@ -204,7 +233,7 @@ class RolloutCore:
         for gid in snapshot.done_group_ids:
             self._done_groups[gid] = None
         for group in snapshot.groups:
-            self.queue.extend(r for r in group.requests if r.finish_reason is None)
+            self.queue.extend(r for r in group.requests if r.finish_reason is None and not r.awaiting)
             self.groups[group.group_id] = group
         self.delivery.restore([(e.cursor, e.sample, e.group_complete) for e in snapshot.entries],
                               snapshot.last_cursor, snapshot.consumers)
@@ -215,6 +244,8 @@ class RolloutCore:
         """Stop every task the core started (awaited), then close the engines."""
         await self._tasks.cancel_all()
         await self._runners.cancel_all()
+        await self.trajectories.stop()
+        await self.collective.close()
         await self.fleet.close()
 
     # -- submit ----------------------------------------------------------------
@@ -230,6 +261,9 @@ class RolloutCore:
                 f"queue full: {pending} samples pending, {new} more would exceed "
                 f"max_queued_samples={self.limits.max_queued_samples}; retry later",
             )
+        for i, spec in enumerate(specs):
+            if spec.multi_turn is not None:
+                self.trajectories.check_spec(f"groups[{i}].multi_turn", spec.multi_turn)
         now = self.clock.now()
         out: list[tuple[str, bool]] = []
         for spec in specs:
@@ -289,6 +323,9 @@ class RolloutCore:
         if not self.queue:
             return
         loads = self.fleet.placeable_loads()
+        if self.affinity:  # trajectories' next turns first, where their prefix is cached
+            for req, engine_id in place_affine(self.queue, loads, self.assigned):
+                self._start(req, self.engines[engine_id])
         # Predicted load per engine: computed at most once, for this placement.
         decisions = self.placement.place(self.queue, loads, self.assigned, LoadView(self.rebalancing.predicted_loads))
         for req, engine_id in decisions:
@@ -298,7 +335,14 @@ class RolloutCore:
         req.segment_start = len(req.token_ids)
         req.segment_version = self.policy_version
         req.attempt += 1
-        if req.engines:
+        warm = self.trajectories.starting(req, engine.engine_id)
+        if not (warm and self.carry_over.mode == "continue"):
+            # Its context is computed now, by the serving weights: their
+            # prefix-cache partition. Under `continue`, a trajectory's next
+            # turn on the engine holding its context keeps the partition of
+            # the weights that computed that KV.
+            req.salt_version = self.policy_version
+        if req.engines and not warm:
             # Continuing a partial response: the prefix is prefilled again.
             req.reprefilled_tokens += len(req.group.spec.prompt_token_ids) + len(req.token_ids)
             self.counters["tokens_reprefilled"] += len(req.group.spec.prompt_token_ids) + len(req.token_ids)
@@ -313,7 +357,7 @@ class RolloutCore:
 
         finish: FinishReason | None = None
         try:
-            async for delta in engine.add(req.engine_request()):
+            async for delta in engine.add(self.trajectories.clamp(req.engine_request())):
                 if superseded():
                     return
                 if delta.token_ids:
@@ -331,9 +375,18 @@ class RolloutCore:
         except Exception as exc:  # engine died or refused: keep the partial, re-queue
             if superseded():
                 return
+            self._release(req)
+            # Failing again and again without a token: the engines refuse
+            # it (e.g. a sampling setting they do not support), not a death.
+            req.failures = req.failures + 1 if len(req.token_ids) == req.segment_start else 1
+            if req.failures >= MAX_FAILURES_WITHOUT_PROGRESS:
+                log.warning("request %s failed %d times without a token, last on %s: %s; given up",
+                            req.request_id, req.failures, engine.engine_id, exc)
+                self.trajectories.close_turn(req, FinishReason.ABORTED)
+                self._finish(req, FinishReason.ABORTED, drop_reason=f"engine_error: {type(exc).__name__}: {exc}")
+                return
             log.warning("request %s failed on %s: %s; re-queued", req.request_id, engine.engine_id, exc)
             self.counters["requests_requeued"] += 1
-            self._release(req)
             self._requeue(req)
             return
         if superseded():
@@ -342,6 +395,9 @@ class RolloutCore:
         if finish is None or finish == FinishReason.ABORTED:
             # The engine stopped it without the core asking (e.g. shut down).
             self._requeue(req)
+            return
+        if req.group.spec.multi_turn is not None:
+            self.trajectories.turn_ended(req, finish, engine.engine_id)
             return
         self._finish(req, finish)
 
@@ -355,24 +411,29 @@ class RolloutCore:
         self.queue.appendleft(req)
         self._wake.set()
 
-    def _finish(self, req: Request, reason: FinishReason) -> None:
-        """Deliver a finished sample. What the optional steps raise (the
-        detokenizer, the predictor, a sample tap) is counted as
-        `finish_errors` and logged; the sample is delivered regardless."""
+    def _finish(self, req: Request, reason: FinishReason, drop_reason: str = "") -> None:
+        """Deliver a finished sample (`drop_reason`: the service gave it up).
+        What the optional steps raise (the detokenizer, the predictor, a
+        sample tap) is counted as `finish_errors` and logged; the sample is
+        delivered regardless."""
         req.finished_at = self.clock.now()
         req.finish_reason = reason
+        req.awaiting = False
         group = req.group
         group.finished += 1
         sample = Sample.from_request(req, reason)
+        sample.drop_reason = drop_reason
+        if drop_reason:
+            self.counters["samples_dropped"] += 1
         if group.spec.prompt_text and self.detokenizer is not None:
             text = self._guarded("detokenizer", req, self.detokenizer.decode, sample.response_token_ids)
             sample.response_text = text or ""
         self.counters["samples_completed"] += 1
         self.histograms["sample_latency_seconds"].observe(req.finished_at - req.queued_at)
-        if self.predictor is not None:
+        if self.predictor is not None and not drop_reason:
             self._guarded("length predictor", req, self.predictor.observe, req, len(req.token_ids), group.complete)
         self.counters[f"samples_lag_{self.policy_version - sample.versions.min_version}"] += 1
-        for tap in self.sample_taps:
+        for tap in self.sample_taps if not drop_reason else ():
             self._guarded("sample tap", req, tap, sample)
         self._deliver(group, sample)
         if group.complete:
@@ -400,6 +461,17 @@ class RolloutCore:
         self._done_groups[group.group_id] = None
         while len(self._done_groups) > self.limits.remembered_group_ids:
             self._done_groups.popitem(last=False)
+
+    # -- multi-turn trajectories (see core/trajectories.py) -----------------------
+
+    def continue_trajectory(self, sample_id: str, turn: int, observation_token_ids: list[int],
+                            done: bool = False) -> bool:
+        """Answer turn `turn` of a trainer-driven trajectory: append the
+        observation and queue its next turn, or end it (`done`). False for a
+        repeat of an answer already applied; CoreError naming what is wrong
+        otherwise (unknown or finished trajectory, not waiting for that turn,
+        an observation that does not fit)."""
+        return self.trajectories.answer(sample_id, turn, observation_token_ids, done)
 
     # -- abort and migration -----------------------------------------------------
 
@@ -475,6 +547,8 @@ class RolloutCore:
         samples = []
         for req in pending:
             await self.preempt(req)
+            self.trajectories.close_turn(req, FinishReason.ABORTED)
+            req.awaiting = False
             req.finish_reason = FinishReason.ABORTED
             req.finished_at = self.clock.now()
             sample = Sample.from_request(req, FinishReason.ABORTED)
@@ -517,6 +591,11 @@ class RolloutCore:
         `WeightSync.update`)."""
         return await self.weight_sync.update(version, weights, self)
 
+    async def push_collective(self, version: int, manifest, accepted, received) -> int:
+        """A collective push (core/collective.py): received by the engines
+        from the trainer's group, live on all at once; returns the version."""
+        return await self.collective.push(version, manifest, self, accepted, received)
+
     async def _bring_up(self, engine: Engine) -> None:
         await self.weight_sync.bring_up(engine)
 
@@ -528,8 +607,20 @@ class RolloutCore:
         return set(self.running)
 
     def requeue_front(self, reqs: list[Request]) -> None:
-        """Queue carried requests ahead of new work, keeping their order."""
-        self.queue.extendleft(reversed([r for r in reqs if r.engine_id is None and not r.group.aborted]))
+        """Queue carried requests ahead of new work, keeping their order (a
+        trajectory waiting for an observation stays waiting). A request
+        whose engine stopped while the push was pausing the others was
+        re-queued by its runner, and may have run elsewhere since: one
+        queued stays where it is, one that finished is not queued again
+        (either would run and be delivered twice)."""
+        queued = {r.request_id for r in self.queue}
+        carried = []
+        for r in reqs:
+            if (r.engine_id is None and r.finish_reason is None and not r.group.aborted and not r.awaiting
+                    and r.request_id not in queued):
+                queued.add(r.request_id)
+                carried.append(r)
+        self.queue.extendleft(reversed(carried))
         self._wake.set()
 
     async def give_up(self, group: Group, reason: str) -> None:

@@ -35,3 +35,14 @@ class CoreStatus:
     counters: dict[str, int] = field(default_factory=dict)
     placement_error: str = ""
     placement_errors: int = 0
+
+    @property
+    def prefix_cache_queried_tokens(self) -> int:
+        """Prompt tokens the engines' prefix caches were asked for (cumulative,
+        summed over the engines; an engine restart starts its count again)."""
+        return sum(e.load.prefix_cache_queried_tokens for e in self.engines)
+
+    @property
+    def prefix_cache_hit_tokens(self) -> int:
+        """Of those, tokens found cached (prefill the engines skipped)."""
+        return sum(e.load.prefix_cache_hit_tokens for e in self.engines)

@@ -10,8 +10,9 @@ from a checkpoint. What it does to requests it asks of the core through
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import Counter
-from typing import Callable, Mapping, Protocol
+from typing import Awaitable, Callable, Mapping, Protocol
 
 from rollout_service.core.fleet import Fleet
 from rollout_service.core.histogram import Histogram
@@ -19,6 +20,8 @@ from rollout_service.engines.base import Engine
 from rollout_service.engines.weights import StagedWeights
 from rollout_service.lifecycle.types import CoreError, Group, Request
 from rollout_service.partial.carry_over import CarryOverConfig, CarryPlan, plan_carry_over
+
+log = logging.getLogger(__name__)
 
 
 class WorkOps(Protocol):
@@ -29,6 +32,14 @@ class WorkOps(Protocol):
     async def preempt(self, req: Request) -> None: ...
     def requeue_front(self, reqs: list[Request]) -> None: ...
     async def give_up(self, group: Group, reason: str) -> None: ...
+
+
+def _release(box: list[StagedWeights]) -> None:
+    """Clean up the one StagedWeights in `box`, and drop it here (in this
+    thread) with its file mapping."""
+    staged = box.pop()
+    staged.cleanup()
+    del staged
 
 
 class WeightSync:
@@ -71,6 +82,25 @@ class WeightSync:
             if self.last is not None:
                 await engine.update_weights(self.version, self.last)
 
+    async def _roll_back(self, engines: list[Engine]) -> None:
+        """Put engines that applied a push that failed on others back on the
+        serving weights (a failed push changes no engine's version). The
+        model's own weights (version 0) are not staged: such an engine, or
+        one that fails to go back, is closed, and the fleet restarts it on
+        the serving weights."""
+        if not engines:
+            return
+        if self.last is not None:
+            results = await asyncio.gather(*(e.update_weights(self.version, self.last) for e in engines),
+                                           return_exceptions=True)
+            stuck = [e for e, r in zip(engines, results) if isinstance(r, BaseException)]
+        else:
+            stuck = list(engines)
+        for engine in stuck:
+            log.warning("engine %s applied a push that failed elsewhere; restarting it on version %d",
+                        engine.engine_id, self.version)
+            await engine.close()
+
     async def update(self, version: int, weights: StagedWeights, work: WorkOps) -> int:
         """Apply verified weights on every live engine at a safe point, then
         bump the policy version; tokens sampled afterwards carry the new
@@ -79,39 +109,100 @@ class WeightSync:
         If an engine fails, the serving version stays and the error is raised
         (each token's tag still names the weights that produced it)."""
         async with self.lock:
-            self.check_version(version)
             t0 = self._monotonic()
-            unfinished = work.unfinished()
-            plan = plan_carry_over(self.carry_over, unfinished, work.running_ids(), version)
-            for req in plan.preempt:
-                await work.preempt(req)
+            unfinished, plan = await self._plan(version, work)
             # An engine that is down (a dead Ray node may stay down for long)
             # does not block training: its restart applies these weights.
             live = self.fleet.live()
             try:
-                await asyncio.gather(*(e.update_weights(version, weights) for e in live))
+                results = await asyncio.gather(*(e.update_weights(version, weights) for e in live),
+                                               return_exceptions=True)
+                failed = [r for r in results if isinstance(r, BaseException)]
+                if failed:
+                    # One version serves everywhere: engines that did apply go back.
+                    await self._roll_back([e for e, r in zip(live, results) if not isinstance(r, BaseException)])
+                    raise failed[0]
             except BaseException:
                 weights.cleanup()
                 work.requeue_front([r for r in plan.preempt if r.engine_id is None])
                 raise
-            previous, self.last = self.last, weights
-            if previous is not None:
-                previous.cleanup()
-            self.version = version
-            self._counters["weight_updates"] += 1
-            self._histogram.observe(self._monotonic() - t0)
-            await self._apply_carry(plan, unfinished, work)
-            return version
+            return await self._live(version, weights, t0, plan, unfinished, work)
+
+    async def update_received(self, version: int, work: WorkOps, accepted: Callable[[], Awaitable[None]],
+                              receive: Callable[[], Awaitable[StagedWeights | None]],
+                              finish: Callable[[], Awaitable[None]], abandon: Callable[[], Awaitable[None]]) -> int:
+        """`update` for weights that arrive on the engines themselves (a
+        collective push, core/collective.py): carry-over planned, then
+        `accepted()` (the sender may send), `receive()` on every engine (the
+        staged copy it returns, if any, is what restarted engines get), then
+        `finish()` makes the version live on all; on any failure `abandon()`
+        puts the previous weights back and the serving version stays."""
+        async with self.lock:
+            t0 = self._monotonic()
+            unfinished, plan = await self._plan(version, work)
+            staged = None
+            try:
+                await accepted()
+                staged = await receive()
+                await finish()
+            except BaseException:
+                if staged is not None:
+                    staged.cleanup()
+                # Shielded: a trainer that hangs up must not leave the engines
+                # half-loaded (each restore is bounded).
+                await asyncio.shield(abandon())
+                work.requeue_front([r for r in plan.preempt if r.engine_id is None])
+                raise
+            # Without a staged copy a restarted engine serves the model's own
+            # weights (tagged version 0) until the next push.
+            return await self._live(version, staged, t0, plan, unfinished, work)
+
+    async def _plan(self, version: int, work: WorkOps) -> tuple[list[Request], CarryPlan]:
+        """Under the lock, before any byte is applied: check the version,
+        plan the carry-over, pause what the plan pauses."""
+        self.check_version(version)
+        unfinished = work.unfinished()
+        plan = plan_carry_over(self.carry_over, unfinished, work.running_ids(), version)
+        for req in plan.preempt:
+            await work.preempt(req)
+        return unfinished, plan
+
+    async def _live(self, version: int, staged: StagedWeights | None, t0: float, plan: CarryPlan,
+                    unfinished: list[Request], work: WorkOps) -> int:
+        """`version` serves on every engine: keep its staged copy for
+        restarted engines, free the previous one, carry the work over."""
+        previous, self.last = [self.last], staged
+        if previous[0] is not None:
+            # Off the event loop: freeing a GB-size file's pages (its
+            # unlink, the mapping's munmap) takes ~0.2 s; generation goes on.
+            await asyncio.to_thread(_release, previous)
+        self.version = version
+        self._counters["weight_updates"] += 1
+        self._histogram.observe(self._monotonic() - t0)
+        await self._apply_carry(plan, unfinished, work)
+        return version
 
     async def _apply_carry(self, plan: CarryPlan, unfinished: list[Request], work: WorkOps) -> None:
         restart = {r.request_id for r in plan.restart}
         dropped = {g.group_id for g in plan.drop}
+        # A trajectory waiting for an observation is in no queue: restarted,
+        # it is queued again (its pending answer becomes stale).
+        waiting = [r for r in plan.restart if r.awaiting and r.group.group_id not in dropped]
+        # A trajectory whose observation arrived during the push may have
+        # started its next turn since the plan was made: stop it before it
+        # starts over (its runner would otherwise end a turn of the reset request).
+        started = [r for r in plan.restart if r.engine_id is not None and r not in plan.preempt]
+        for req in started:
+            await work.preempt(req)
+        waiting += [r for r in started if r.group.group_id not in dropped]
         for req in plan.restart:
+            if req.finish_reason is not None:
+                continue  # finished during the push (e.g. its environment said done)
             self._counters["tokens_discarded"] += len(req.token_ids)
             req.reset()
         self._counters["tokens_carried"] += sum(
             len(r.token_ids) for r in unfinished if r.request_id not in restart and r.group.group_id not in dropped
         )
-        work.requeue_front([r for r in plan.preempt if r.group.group_id not in dropped])
+        work.requeue_front([r for r in plan.preempt if r.group.group_id not in dropped] + waiting)
         for group in plan.drop:
             await work.give_up(group, "max_version_lag")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import AsyncIterator, Mapping, Protocol, runtime_checkable
 
+from rollout_service.engines.collective import TransferInit
 from rollout_service.engines.speculation import Speculation
 from rollout_service.engines.types import EngineDescription, EngineLoad, EngineRequest, PartialResponse, TokenDelta
 from rollout_service.engines.weights import StagedWeights
@@ -57,6 +58,32 @@ class Engine(Protocol):
     async def update_weights(self, version: int, weights: StagedWeights) -> None:
         """Apply verified policy weights at a safe point (between engine
         steps); tokens sampled afterwards carry `version`."""
+
+    # -- collective weight transfer (see engines/collective.py) ------------------
+
+    def transfer_ranks(self) -> int:
+        """Receiving ranks this engine holds in a collective weight transfer
+        group (one per model worker); 0: it cannot join one."""
+
+    async def init_weight_transfer(self, init: TransferInit) -> None:
+        """Join a trainer's transfer group at `init.rank_offset`; returns
+        once every rank has joined (bounded by `init.timeout_s`)."""
+
+    async def receive_weights(self, version: int, specs: list) -> None:
+        """Stop at a safe point (running requests kept) and receive a
+        collective push of `specs` into the model. Nothing samples from the
+        new weights before `finish_received_weights`."""
+
+    async def finish_received_weights(self, version: int) -> None:
+        """Make the received weights live at `version` and resume."""
+
+    async def abandon_received_weights(self, fallback: StagedWeights | None, version: int) -> None:
+        """A collective push failed or was abandoned: serve the previous
+        weights again (`fallback`, or the model's own when None) at the
+        serving `version`, leave the group, and resume."""
+
+    async def close_weight_transfer(self) -> None:
+        """Leave the transfer group (nothing if not in one)."""
 
     async def close(self) -> None:
         """Stop the engine and free its resources."""

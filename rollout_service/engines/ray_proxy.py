@@ -324,6 +324,26 @@ class RayEngine:
         self._snapshot(out.incarnation, out.load, None)
         self.last_update = out
 
+    # Engines behind Ray do not join a collective transfer group yet: a
+    # collective push is refused while the fleet has one (transfer_ranks 0).
+    def transfer_ranks(self) -> int:
+        return 0
+
+    async def init_weight_transfer(self, init) -> None:
+        raise EngineError(f"engine {self.engine_id} runs behind Ray and cannot join a collective transfer group")
+
+    async def receive_weights(self, version: int, specs: list) -> None:
+        raise EngineError(f"engine {self.engine_id} is not in a transfer group")
+
+    async def finish_received_weights(self, version: int) -> None:
+        raise EngineError(f"engine {self.engine_id} is not in a transfer group")
+
+    async def abandon_received_weights(self, fallback, version: int) -> None:
+        return None
+
+    async def close_weight_transfer(self) -> None:
+        return None
+
 
 class RaySpeculation(MonitoredSpeculation):
     """Speculation of an engine in a Ray actor: calls go to the actor; the

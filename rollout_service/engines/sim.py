@@ -21,6 +21,18 @@ one core per engine (see ARCHITECTURE.md, "vLLM facts"): batch 1 decodes at
 ~180-280 tokens/s, batch 64 at ~5,000 tokens/s, so decode_base_s ~= 4 ms and
 decode_per_seq_s ~= 0.15 ms. `load_tests/calibrate.py` refits them.
 
+Prefix cache (`prefix_cache`, off by default so that single-turn figures
+stay those documented): KV is kept in blocks of `block_size` tokens, each
+named by a hash of (cache salt, every token up to the block's end), as
+vLLM's prefix cache does. A block is in use while a running request holds
+it; a finished, aborted or preempted request leaves its full blocks cached,
+evicted least recently used first when the cached blocks outgrow the KV
+capacity the running requests do not use. A request's prefill is charged
+only for its context (prompt + partial response) past the longest run of
+cached blocks, whole blocks only and the last token always computed (vLLM's
+semantics); requests with different salts never share blocks. The engine
+counts tokens looked up and found (`EngineLoad.prefix_cache_*`).
+
 Token ids are deterministic in (seed, request id, position); the response
 length is the `target_length` hint when given (PolyTrace replay), else drawn
 from a log-normal with a heavy tail, seeded by the request id.
@@ -59,7 +71,7 @@ import asyncio
 import hashlib
 import math
 import random
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Mapping
 
@@ -76,6 +88,7 @@ from rollout_service.engines.types import (
     TokenDelta,
 )
 from rollout_service.engines.base import EngineError
+from rollout_service.engines.collective import GroupReceiver, TransferInit
 from rollout_service.engines.spec_config import DEFAULT_SCHEDULE, SpecConfig
 from rollout_service.engines.spec_monitor import SpecMonitor
 from rollout_service.engines.speculation import MonitoredSpeculation
@@ -96,6 +109,9 @@ class SimParams:
     # so the service sees each request's progress about as often as a real
     # engine's streamed tokens show it (timing is the same either way).
     max_run_steps: int = 128
+    # Prefix cache (see the module docstring); off keeps every prefill charged.
+    prefix_cache: bool = False
+    block_size: int = 16
     # Response length when no hint is given: log-normal (median, sigma).
     length_median: int = 64
     length_sigma: float = 1.0
@@ -145,6 +161,8 @@ class _Seq:
     accepted_f: float = 0.0
     drafted: int = 0  # of those, already reported in deltas
     accepted: int = 0
+    blocks: list[int] = field(default_factory=list)  # prefix-cache blocks it holds (hash chain)
+    admitted: bool = False  # admitted once (a re-admission after preemption is not a new lookup)
 
     def steps_to_finish(self) -> int:
         """Engine steps until this request stops (end token or budget)."""
@@ -236,6 +254,8 @@ class SimEngine:
         self._running: list[_Seq] = []
         self._seqs: dict[str, _Seq] = {}
         self._version = 0
+        self._receiver: GroupReceiver | None = None  # in a collective transfer group
+        self.received_bytes = 0  # by the last collective push
         self._state = EngineState.STARTING
         self._wake = asyncio.Event()
         self._step_lock = asyncio.Lock()
@@ -249,11 +269,20 @@ class SimEngine:
         self._monitor = SpecMonitor(spec, p.max_seqs)
         self.speculation: SimSpeculation | None = SimSpeculation(self, self._monitor) if spec.enabled else None
         self._draft_policy_version = 0  # the policy version the drafter last caught up with
+        self._cached: OrderedDict[int, None] = OrderedDict()  # evictable blocks, least recently used first
+        self._in_use: dict[int, int] = {}  # block -> running requests holding it
+        self.prefix_queried_tokens = 0
+        self.prefix_hit_tokens = 0
+        # Of those, requests continuing a partial response (a trajectory's later turns, migrations).
+        self.continued_queried_tokens = 0
+        self.continued_hit_tokens = 0
+        self.prefill_tokens = 0  # tokens prefilled (charged), over the engine's life
         self.busy_s = 0.0  # time spent in steps with work (for utilisation)
         self.slot_s = 0.0  # sum over steps of running sequences x step time
         self.steps = 0
 
     async def start(self) -> None:
+        self._version = 0  # a (re)started engine serves the model's own weights
         self._run = None
         self._task = asyncio.create_task(self._loop(), name=f"sim-{self.engine_id}")
         self._state = EngineState.READY
@@ -311,6 +340,7 @@ class SimEngine:
                 self._emit(seq, done, run.version, run.k, run.length)
         if any(s is seq for s in self._running):
             self._running = [s for s in self._running if s is not seq]
+            self._release(seq)
         elif seq in self._waiting:
             self._waiting.remove(seq)
         self._cut_run()
@@ -330,6 +360,8 @@ class SimEngine:
             kv_capacity_tokens=self.params.kv_capacity_tokens,
             tokens_per_s=self._tokens_per_s,
             policy_version=self._version,
+            prefix_cache_queried_tokens=self.prefix_queried_tokens,
+            prefix_cache_hit_tokens=self.prefix_hit_tokens,
         )
 
     def describe(self) -> EngineDescription:
@@ -351,8 +383,48 @@ class SimEngine:
             self._version = version
             self._state = prev if prev != EngineState.UPDATING else EngineState.READY
 
+    # -- collective weight transfer: one receiving rank, in this process. It
+    # receives while generating; the weights "apply" instantly at finish.
+
+    def transfer_ranks(self) -> int:
+        return 1
+
+    async def init_weight_transfer(self, init: TransferInit) -> None:
+        await self.close_weight_transfer()
+        receiver = GroupReceiver(init)
+        await receiver.join()
+        self._receiver = receiver
+
+    async def receive_weights(self, version: int, specs: list) -> None:
+        if self._receiver is None:
+            raise EngineError(f"engine {self.engine_id} is not in a transfer group")
+        self.received_bytes = 0
+
+        def count(batch) -> None:
+            self.received_bytes += sum(t.numel() * t.element_size() for _, t in batch)
+
+        try:
+            await self._receiver.receive(specs, count)
+        except Exception as exc:
+            raise EngineError(f"engine {self.engine_id}: collective receive failed: {exc}") from exc
+
+    async def finish_received_weights(self, version: int) -> None:
+        self._cut_run()
+        async with self._step_lock:  # between two steps
+            self._version = version
+
+    async def abandon_received_weights(self, fallback: object, version: int) -> None:
+        await self.close_weight_transfer()
+        self._version = version  # nothing was applied but the tag
+
+    async def close_weight_transfer(self) -> None:
+        receiver, self._receiver = self._receiver, None
+        if receiver is not None:
+            receiver.close()
+
     async def close(self) -> None:
         self._state = EngineState.DEAD
+        await self.close_weight_transfer()
         await cancel_and_wait(self._task)
         for rid in list(self._seqs):
             await self.abort(rid)
@@ -373,15 +445,85 @@ class SimEngine:
             self._running.append(seq)
             used += seq.context
             if not seq.prefilled:
-                prefill += seq.context
+                charged = seq.context - self._hold(seq) if p.prefix_cache else seq.context
+                prefill += charged
+                self.prefill_tokens += charged
                 seq.prefilled = True
+        if p.prefix_cache:
+            self._evict(used)
         return prefill
+
+    # -- prefix cache ----------------------------------------------------------------
+
+    def _context_ids(self, seq: _Seq) -> list[int]:
+        r = seq.request
+        return [*r.prompt_token_ids, *r.generated_token_ids, *seq.generated]
+
+    def _chain(self, seq: _Seq, ids: list[int], start_block: int, prev: int) -> list[int]:
+        """Hashes of the full blocks of `ids` from `start_block` on, chained from `prev`."""
+        bs = max(1, self.params.block_size)
+        out = []
+        for b in range(start_block, len(ids) // bs):
+            prev = hash((prev, tuple(ids[b * bs:(b + 1) * bs])))
+            out.append(prev)
+        return out
+
+    def _hold(self, seq: _Seq) -> int:
+        """Admit `seq` to the prefix cache: take hold of its context's full
+        blocks; returns the tokens found cached (prefill not charged)."""
+        ids = self._context_ids(seq)
+        root = _hash_u64("salt", seq.request.cache_salt)
+        seq.blocks = self._chain(seq, ids, 0, root)
+        hit_blocks = 0
+        for h in seq.blocks:
+            if h not in self._cached and h not in self._in_use:
+                break
+            hit_blocks += 1
+        bs = max(1, self.params.block_size)
+        hit = min(hit_blocks, (len(ids) - 1) // bs) * bs  # the last token is always computed
+        for h in seq.blocks:
+            self._cached.pop(h, None)
+            self._in_use[h] = self._in_use.get(h, 0) + 1
+        if not seq.admitted:  # vLLM counts a request's lookup once, not its re-admissions
+            self.prefix_queried_tokens += len(ids)
+            self.prefix_hit_tokens += hit
+            if seq.request.generated_token_ids:
+                self.continued_queried_tokens += len(ids)
+                self.continued_hit_tokens += hit
+        seq.admitted = True
+        return hit
+
+    def _release(self, seq: _Seq) -> None:
+        """A request leaves the batch: its blocks (with those its generated
+        tokens filled since admission) stay cached, most recently used."""
+        if not self.params.prefix_cache or not seq.blocks:
+            return
+        ids = self._context_ids(seq)
+        blocks = seq.blocks + self._chain(seq, ids, len(seq.blocks), seq.blocks[-1])
+        seq.blocks = []
+        for h in blocks:
+            n = self._in_use.get(h, 0) - 1
+            if n > 0:
+                self._in_use[h] = n
+                continue
+            self._in_use.pop(h, None)
+            self._cached[h] = None
+            self._cached.move_to_end(h)
+        self._evict(sum(s.context for s in self._running))
+
+    def _evict(self, used: int) -> None:
+        """Drop least recently used cached blocks beyond the free KV capacity."""
+        bs = max(1, self.params.block_size)
+        room = max(0, self.params.kv_capacity_tokens - used) // bs
+        while len(self._cached) > room:
+            self._cached.popitem(last=False)
 
     def _preempt_overflow(self) -> None:
         p = self.params
         while len(self._running) > 1 and sum(s.context for s in self._running) + len(self._running) > p.kv_capacity_tokens:
             seq = self._running.pop()
             seq.prefilled = False  # recompute on re-admission
+            self._release(seq)
             self._waiting.appendleft(seq)
 
     def _kv_used_now(self) -> int:
@@ -515,7 +657,10 @@ class SimEngine:
                 finished.add(id(seq))
                 self._seqs.pop(seq.request.request_id, None)
         if finished:  # by identity, in one pass (list.remove compares dataclasses field by field)
+            leaving = [s for s in self._running if id(s) in finished]
             self._running = [s for s in self._running if id(s) not in finished]
+            for seq in leaving:
+                self._release(seq)
         if self._monitor.cfg.enabled:
             self._monitor.record_expected(run.n, run.k, dt, run.n * m, run.n * m / run.length, run.profile)
         if dt > 0:

@@ -63,7 +63,11 @@ class EngineRequest:
     `generated_token_ids` is a partial response to continue from (empty for
     a fresh request): the engine re-prefills prompt + generated and samples
     at most `max_new_tokens` more. `hints` carries workload hints that only a
-    simulated engine reads (e.g. the target response length).
+    simulated engine reads (e.g. the target response length). `cache_salt`
+    partitions the engine's prefix cache: a request reuses cached KV only of
+    requests with the same salt ("": no salt); the core salts by the policy
+    version that computes the context, so no request attends to KV of other
+    weights unless the carry-over mode says so.
     """
 
     request_id: str
@@ -72,6 +76,7 @@ class EngineRequest:
     sampling: SamplingParams
     max_new_tokens: int
     hints: dict[str, str] = field(default_factory=dict)
+    cache_salt: str = ""
 
 
 @dataclass(slots=True)
@@ -106,7 +111,12 @@ class PartialResponse:
 
 @dataclass(slots=True)
 class EngineLoad:
-    """A snapshot of one engine's load, as the scheduling policies see it."""
+    """A snapshot of one engine's load, as the scheduling policies see it.
+
+    `prefix_cache_queried_tokens` / `prefix_cache_hit_tokens` are cumulative
+    since the engine (re)started: prompt tokens its prefix cache was asked
+    for when a request was admitted, and those it already held (vLLM's own
+    counters; a simulated engine's model of them)."""
 
     engine_id: str
     kind: str
@@ -118,11 +128,17 @@ class EngineLoad:
     kv_capacity_tokens: int  # tokens the KV cache holds (0: unknown, e.g. not started)
     tokens_per_s: float
     policy_version: int
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
 
     @property
     def kv_usage(self) -> float:
         return self.kv_used_tokens / self.kv_capacity_tokens if self.kv_capacity_tokens else 0.0
 
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        q = self.prefix_cache_queried_tokens
+        return self.prefix_cache_hit_tokens / q if q else 0.0
 
 
 @dataclass(slots=True, frozen=True)

@@ -14,7 +14,13 @@ staged safetensors file (`RolloutWorkerExtension`), `update_weight_version`,
 
 KV use is reported in tokens: the engine core's cache (blocks x block
 size, read from the vLLM config once the engine is up) times vLLM's
-usage fraction.
+usage fraction. Prefix caching is vLLM's (on by default); a request's
+`cache_salt` goes to vLLM as the prompt's salt, so cached KV is shared only
+between requests of one salt, and vLLM's prefix-cache counters (queried and
+hit prompt tokens) are summed into the engine's load. A weight update does
+not flush the prefix cache: the core salts requests by policy version, so
+what stays on one version keeps its cache (session affinity survives a
+push) and nothing attends to older weights' KV under another salt.
 
 Speculation at temperature > 0 is exact on vLLM's CPU platform only with
 `vllm_plugin`'s rejection-sampler fix in the worker processes; an engine
@@ -42,6 +48,7 @@ from rollout_service.engines.types import (
 )
 from rollout_service.engines.weights import StagedWeights, checkpoint_manifest
 from rollout_service.engines.base import EngineError, WeightsRejected
+from rollout_service.engines.collective import TransferInit
 from rollout_service.engines.spec_config import SpecConfig
 from rollout_service.engines.spec_monitor import SpecMonitor
 from rollout_service.engines.vllm_speculation import VllmSpeculation, spec_counts
@@ -58,6 +65,15 @@ def default_dtype() -> str:
     from vllm.platforms import current_platform
 
     return "float32" if current_platform.is_cpu() else "auto"
+
+
+def default_transfer_backend() -> str:
+    """The collective weight-transfer backend of this platform: vLLM's
+    `nccl` on GPUs, this project's `gloo` (engines/vllm_transfer.py) on a CPU.
+    `vllm_args["weight_transfer_config"]` overrides it."""
+    from vllm.platforms import current_platform
+
+    return "gloo" if current_platform.is_cpu() else "nccl"
 
 
 def _with_environment(env: Mapping[str, str], build):
@@ -96,6 +112,10 @@ class _LoadLogger:
                     engine._running = scheduler_stats.num_running_reqs
                     engine._waiting = scheduler_stats.num_waiting_reqs
                     engine._kv_usage = scheduler_stats.kv_cache_usage
+                    pc = scheduler_stats.prefix_cache_stats  # this interval's (vLLM resets it per report)
+                    if pc is not None:
+                        engine._prefix_queried += int(pc.queries)
+                        engine._prefix_hits += int(pc.hits)
                 if iteration_stats is not None:
                     engine._count_tokens(iteration_stats.num_generation_tokens)
                 if engine.speculation is not None:
@@ -160,9 +180,13 @@ class VllmEngine:
         self._seqs: dict[str, _Seq] = {}
         self._running = self._waiting = 0
         self._kv_usage = 0.0
+        self._prefix_queried = self._prefix_hits = 0  # cumulative, tokens (vLLM's prefix-cache counters)
         self._tok_window: list[tuple[float, int]] = []
         self._manifest = checkpoint_manifest(model)
         self._update_lock = asyncio.Lock()
+        self._transfer: "TransferInit | None" = None  # the collective transfer group joined
+        self._receiving = False  # a collective push holds the update lock
+        self._update_open = False  # vLLM's weight update is open (start_weight_update called)
         self.restarts = 0
         self.update_timeout_s = 120.0  # bound on each step of a weight update
 
@@ -181,6 +205,11 @@ class VllmEngine:
             self.restarts += 1
         self._state = EngineState.STARTING
         self._version = 0  # a fresh engine serves the model directory's weights
+        self._prefix_queried = self._prefix_hits = 0  # a fresh engine core starts with an empty cache
+        self._transfer = None  # a fresh engine is in no transfer group
+        if self._receiving:
+            self._receiving = False
+            self._update_lock.release()
         args = self._engine_args()
         # Construction blocks until the engine core is up (~20 s on a CPU), so
         # it runs in a thread: a restart must not stall the other engines.
@@ -216,6 +245,7 @@ class VllmEngine:
             worker_extension_cls="rollout_service.engines.vllm_worker.RolloutWorkerExtension",
             logprobs_mode="processed_logprobs",
             disable_log_stats=False,
+            weight_transfer_config={"backend": default_transfer_backend()},
         )
         if self.spec.enabled:
             args["speculative_config"] = self.spec.vllm_speculative_config(self.max_seqs)
@@ -316,6 +346,8 @@ class VllmEngine:
         from vllm.inputs import TokensPrompt
 
         prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids) + list(request.generated_token_ids))
+        if request.cache_salt:
+            prompt["cache_salt"] = request.cache_salt  # reuse only KV cached under the same salt
         rid = request.request_id
         try:
             async for out in self._llm.generate(prompt, self._sampling_params(request), rid):
@@ -411,6 +443,8 @@ class VllmEngine:
             kv_capacity_tokens=self._kv_capacity,
             tokens_per_s=rate,
             policy_version=self._version,
+            prefix_cache_queried_tokens=self._prefix_queried,
+            prefix_cache_hit_tokens=self._prefix_hits,
         )
 
     def describe(self) -> EngineDescription:
@@ -443,7 +477,10 @@ class VllmEngine:
             # Every wait is bounded: a stuck engine fails the push (the
             # previous version keeps serving elsewhere) instead of hanging it.
             timeout = self.update_timeout_s
-            await asyncio.wait_for(self._llm.pause_generation(mode="keep", clear_cache=True), timeout)
+            # The prefix cache is kept: the core salts every request with the
+            # policy version that computes its context (`cache_salt`), so KV
+            # of the old weights is reused only where the carry-over mode says.
+            await asyncio.wait_for(self._llm.pause_generation(mode="keep", clear_cache=False), timeout)
             try:
                 await asyncio.wait_for(self._llm.collective_rpc("rollout_reload_weights", args=(path,)), timeout)
                 await asyncio.wait_for(self._llm.update_weight_version(str(version)), timeout)
@@ -451,3 +488,112 @@ class VllmEngine:
             finally:
                 await asyncio.wait_for(self._llm.resume_generation(), timeout)
                 self._state = EngineState.READY
+
+    # -- collective weight transfer (vLLM's weight-transfer API) -----------------
+
+    def transfer_ranks(self) -> int:
+        cfg = self._llm.vllm_config.parallel_config if self._llm is not None else None
+        return int(cfg.world_size) * int(cfg.data_parallel_size) if cfg is not None else 1
+
+    def transfer_backend(self) -> str:
+        cfg = self.vllm_args.get("weight_transfer_config")
+        if isinstance(cfg, Mapping):
+            return str(cfg.get("backend", default_transfer_backend()))
+        return str(getattr(cfg, "backend", None) or default_transfer_backend())
+
+    async def init_weight_transfer(self, init: TransferInit) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        if not self._alive():
+            raise EngineError(f"engine {self.engine_id} is not running")
+        if init.backend != self.transfer_backend():
+            raise EngineError(f"engine {self.engine_id} was started with the {self.transfer_backend()!r} "
+                              f"weight-transfer backend, not {init.backend!r}")
+        await self.close_weight_transfer()
+        info = {"master_address": init.master_address, "master_port": int(init.master_port),
+                "rank_offset": int(init.rank_offset), "world_size": int(init.world_size)}
+        if init.backend == "gloo":
+            info["timeout_s"] = float(init.timeout_s)
+        info.update(init.options)
+        await asyncio.wait_for(self._llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info)),
+                               init.timeout_s + 30)
+        self._transfer = init
+
+    async def receive_weights(self, version: int, specs: list) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        if not self._alive():
+            raise EngineError(f"engine {self.engine_id} is not running")
+        if self._transfer is None:
+            raise EngineError(f"engine {self.engine_id} is not in a transfer group")
+        await self._update_lock.acquire()
+        self._receiving = True
+        self._state = EngineState.UPDATING
+        # Bounded: the group's own timeout fails a receive whose trainer died
+        # or stalls; this bounds the engine's side of it too.
+        timeout = self._transfer.timeout_s + self.update_timeout_s
+        await asyncio.wait_for(self._llm.pause_generation(mode="keep", clear_cache=True), self.update_timeout_s)
+        await asyncio.wait_for(self._llm.start_weight_update(), self.update_timeout_s)
+        self._update_open = True
+        info = {"names": [s.name for s in specs], "dtype_names": [s.dtype for s in specs],
+                "shapes": [list(s.shape) for s in specs]}
+        try:
+            await asyncio.wait_for(self._llm.update_weights(WeightTransferUpdateRequest(update_info=info)), timeout)
+        except BaseException:
+            self._update_open = False  # the worker ends the update when a receive fails
+            raise
+
+    async def finish_received_weights(self, version: int) -> None:
+        try:
+            await asyncio.wait_for(self._llm.finish_weight_update(weight_version=str(version)), self.update_timeout_s)
+            self._update_open = False
+            self._version = version
+        finally:
+            await self._resume_after_receive()
+
+    async def abandon_received_weights(self, fallback: StagedWeights | None, version: int) -> None:
+        """Put the previous weights back: the model may hold part of the
+        failed push (weights load as they arrive)."""
+        try:
+            if not self._alive():
+                return
+            timeout = self.update_timeout_s
+            if self._update_open:
+                self._update_open = False
+                await asyncio.wait_for(self._llm.finish_weight_update(), timeout)
+            await self.close_weight_transfer()
+            paths = [await fallback.as_file()] if fallback is not None else \
+                [str(p) for p in sorted(Path(self.model).glob("*.safetensors"))]
+            for path in paths:
+                await asyncio.wait_for(self._llm.collective_rpc("rollout_reload_weights", args=(path,)), timeout)
+            self._version = version
+            await asyncio.wait_for(self._llm.update_weight_version(str(version)), timeout)
+        except Exception as exc:
+            # The engine cannot be trusted with a half-loaded model: take it
+            # down, the fleet restarts it at the serving version.
+            log.error("%s could not restore its weights after a failed push (%s); restarting it", self.engine_id, exc)
+            self._shutdown_llm()
+            self._state = EngineState.DEAD
+        finally:
+            await self._resume_after_receive()
+
+    async def _resume_after_receive(self) -> None:
+        try:
+            if self._alive():
+                await asyncio.wait_for(self._llm.resume_generation(), self.update_timeout_s)
+        finally:
+            if self._state == EngineState.UPDATING:
+                self._state = EngineState.READY
+            if self._receiving:
+                self._receiving = False
+                self._update_lock.release()
+
+    async def close_weight_transfer(self) -> None:
+        if self._transfer is None or not self._alive():
+            self._transfer = None
+            return
+        self._transfer = None
+        try:
+            await asyncio.wait_for(self._llm.collective_rpc("shutdown_weight_transfer_engine"), self.update_timeout_s)
+        except Exception as exc:
+            log.debug("leaving the transfer group on %s: %s", self.engine_id, exc)

@@ -21,6 +21,11 @@ core, workers), registered through the `vllm.general_plugins` entry point.
    depth per running-batch size lives in the scheduler of the engine-core
    process (`Scheduler.dynamic_sd_lookup`), and these read and replace it
    between two engine steps.
+
+3. It registers the `gloo` weight-transfer backend (`vllm_transfer`, the
+   CPU counterpart of vLLM's `nccl`) with vLLM's worker-side and trainer-side
+   weight-transfer factories, so engines started with
+   `weight_transfer_config={"backend": "gloo"}` can create it.
 """
 from __future__ import annotations
 
@@ -148,6 +153,23 @@ def _install_engine_core_utilities() -> None:
     EngineCore.rollout_spec_info = rollout_spec_info
 
 
+def _register_weight_transfer() -> None:
+    try:
+        from vllm.distributed.weight_transfer.factory import (
+            WeightTransferEngineFactory,
+            WeightTransferTrainerFactory,
+        )
+    except Exception:  # a vLLM without the weight-transfer API
+        return
+    if "gloo" not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(
+            "gloo", "rollout_service.engines.vllm_transfer", "GlooWeightTransferEngine")
+    if "gloo" not in WeightTransferTrainerFactory._registry:
+        WeightTransferTrainerFactory.register_engine(
+            "gloo", "trainer_client.collective", "GlooTrainerWeightTransferEngine")
+
+
 def register() -> None:
     _patch_rejection_sampler()
     _install_engine_core_utilities()
+    _register_weight_transfer()

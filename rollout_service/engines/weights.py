@@ -2,9 +2,10 @@
 
 A push is a manifest (name, dtype, shape, byte length, checksums per
 tensor: a sha256 and/or a digest under the push's algorithm, see
-`CHECKSUM_ALGOS`) followed by the tensors' bytes in manifest order. Nothing is
-applied before every length and checksum has verified; engines turn
-`WeightTensor`s into whatever their framework needs.
+`CHECKSUM_ALGOS`) followed by the tensors' bytes in manifest order (and, when
+the manifest names an algorithm but carries no checksum, the digests after the
+bytes). Nothing is applied before every length and checksum has verified;
+engines turn `WeightTensor`s into whatever their framework needs.
 
 `StagingWriter` receives a streamed push straight into its staging file (a
 safetensors file in /dev/shm): each chunk is hashed as it arrives and written
@@ -13,7 +14,6 @@ once, at its final place; no buffer, no split.
 from __future__ import annotations
 
 import atexit
-import hashlib
 import json
 import math
 import mmap
@@ -21,6 +21,11 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+
+# CHECKSUM_ALGOS: the algorithms of TensorSpec.digest -> length of their hex
+# digest; their hashers (xxh3 through xxHash's C library, without the GIL).
+from trainer_client.checksums import ALGOS as CHECKSUM_ALGOS
+from trainer_client.checksums import hexdigest, new_hasher
 
 DTYPE_SIZES = {
     "float32": 4, "float16": 2, "bfloat16": 2, "float64": 8,
@@ -30,25 +35,6 @@ _SAFETENSORS_DTYPES = {
     "F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64",
     "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
 }
-
-
-# Checksum algorithms of TensorSpec.digest -> length of their hex digest.
-CHECKSUM_ALGOS = {"sha256": 64, "xxh3_64": 16, "xxh3_128": 32}
-
-
-def new_hasher(algo: str):
-    """An incremental hasher (`update`, `hexdigest`) for one of CHECKSUM_ALGOS."""
-    if algo == "sha256":
-        return hashlib.sha256()
-    import xxhash
-
-    return {"xxh3_64": xxhash.xxh3_64, "xxh3_128": xxhash.xxh3_128}[algo]()
-
-
-def hexdigest(algo: str, data) -> str:
-    h = new_hasher(algo)
-    h.update(data)
-    return h.hexdigest()
 
 
 class ManifestError(ValueError):
@@ -236,14 +222,20 @@ class StagingWriter:
     it arrives; a tensor's checksums are verified as soon as its last byte
     has come, so a corrupt tensor fails the push at once, named.
 
+    With `trailer_algo`, the digests come after the data (a WeightsTrailer):
+    every tensor is hashed under that algorithm as it arrives, and
+    `verify_trailer` checks the digests once they have come.
+
     `feed` blocks (hashing, the write; both release the GIL): call it from
     one thread at a time, in stream order. `finish` returns the
     `StagedWeights` (which owns the file); `abort` removes the file."""
 
-    def __init__(self, specs: list[TensorSpec], prefix: str = "rollout-weights-") -> None:
+    def __init__(self, specs: list[TensorSpec], prefix: str = "rollout-weights-", trailer_algo: str = "") -> None:
         import tempfile
 
         self.specs = specs
+        self.trailer_algo = trailer_algo
+        self.computed: list[str] = []  # with trailer_algo: each completed tensor's digest
         self.total = sum(s.byte_length for s in specs)
         self.received = 0
         self.prefix = prefix
@@ -275,16 +267,22 @@ class StagingWriter:
         while self._left == 0:
             if self._i >= 0:
                 spec = self.specs[self._i]
-                for (field, algo, expected), h in zip(spec.checks(), self._hashers):
-                    if h.hexdigest() != expected:
-                        raise _mismatch(self._i, spec, field, algo)
+                if self.trailer_algo:
+                    self.computed.append(self._hashers[0].hexdigest())
+                else:
+                    for (field, algo, expected), h in zip(spec.checks(), self._hashers):
+                        if h.hexdigest() != expected:
+                            raise _mismatch(self._i, spec, field, algo)
             self._i += 1
             if self._i >= len(self.specs):
                 self._hashers = []
                 return
             spec = self.specs[self._i]
             self._left = spec.byte_length
-            self._hashers = [new_hasher(algo) for _, algo, _ in spec.checks()]
+            if self.trailer_algo:
+                self._hashers = [new_hasher(self.trailer_algo)]
+            else:
+                self._hashers = [new_hasher(algo) for _, algo, _ in spec.checks()]
 
     def feed(self, data) -> None:
         if self._failed is not None:
@@ -314,6 +312,19 @@ class StagingWriter:
             if self._left == 0:
                 self._next_tensor()
         self.received += n
+
+    def verify_trailer(self, digests: list[str]) -> None:
+        """Check the trailer's digests (after every byte has been fed)
+        against the tensors' own; ManifestError names the first bad one."""
+        algo = self.trailer_algo
+        if len(digests) != len(self.specs):
+            raise ManifestError("trailer.digests", f"{len(digests)} digests for the manifest's {len(self.specs)} tensors")
+        for i, (spec, sent) in enumerate(zip(self.specs, digests)):
+            if not _is_hex(sent, CHECKSUM_ALGOS[algo]):
+                raise ManifestError(f"trailer.digests[{i}]", f"a {algo} digest is {CHECKSUM_ALGOS[algo]} lowercase hex digits")
+        for i, (spec, sent, got) in enumerate(zip(self.specs, digests, self.computed)):
+            if sent != got:
+                raise ManifestError(f"trailer.digests[{i}]", f"checksum mismatch for {spec.name!r} ({algo})")
 
     def finish(self) -> "StagedWeights":
         """The staged push (the tensors are views of the mapped file)."""

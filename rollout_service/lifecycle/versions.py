@@ -7,6 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+#: The tag of tokens no policy produced (a multi-turn trajectory's
+#: observations); `min_version`/`max_version` skip it and the wire omits it.
+NO_VERSION = -1
+
 
 @dataclass(slots=True)
 class VersionTags:
@@ -40,11 +44,12 @@ class VersionTags:
 
     @property
     def min_version(self) -> int:
-        return min((s[0] for s in self.segments), default=-1)
+        """The oldest policy version of any token (-1: none)."""
+        return min((s[0] for s in self.segments if s[0] != NO_VERSION), default=-1)
 
     @property
     def max_version(self) -> int:
-        return max((s[0] for s in self.segments), default=-1)
+        return max((s[0] for s in self.segments if s[0] != NO_VERSION), default=-1)
 
     def truncated(self, n: int) -> "VersionTags":
         """The tags of the first `n` tokens."""

@@ -22,6 +22,7 @@ MECHANISMS: Mapping[str, str] = {
     "isolate": "rebalancing also moves co-runners off the engines whose longest response may end the step",
     "repack": "rebalancing also regroups in-flight requests onto engines of like predicted lengths",
     "partial": "partial rollout: over-provisioned steps, unfinished groups carried into the next version",
+    "affinity": "session affinity: a trajectory's next turn goes to the engine holding its prefix (multi-turn)",
 }
 
 @dataclass(slots=True, frozen=True)

@@ -1,0 +1,48 @@
+"""Session affinity: a trajectory's next turn goes where its prefix is cached.
+
+A multi-turn trajectory that has finished a turn and got its observation is
+queued again with `Request.affinity`, the engine that ran its last turn and
+holds its context in the prefix cache. `place_affine` sends it back there
+when that engine is placeable and either has a free slot (fewer requests in
+flight than its batch) or no engine has one (then it waits in that engine's
+queue like everything else), so only the observation and the new turn are
+prefilled. When its engine is full while another has a free slot, or is
+down, it stays in the queue for the configured placement, which may put it
+on any engine: the move costs a re-prefill of its whole context, paid
+rather than leaving the trajectory waiting while capacity is free (counted
+as `trajectory_moves`).
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Mapping, Sequence
+
+from rollout_service.engines.types import EngineLoad
+from rollout_service.lifecycle.types import Request
+
+PLACEABLE = ("ready", "updating")
+
+
+def place_affine(queue: deque[Request], loads: Sequence[EngineLoad],
+                 assigned: Mapping[str, int]) -> list[tuple[Request, str]]:
+    """Pop from `queue` each request whose affinity engine can take it now;
+    returns (request, engine_id) decisions. The others keep their order."""
+    if not any(r.affinity is not None for r in queue):
+        return []
+    room = {l.engine_id: l.max_seqs - assigned.get(l.engine_id, 0) for l in loads if l.state in PLACEABLE}
+    free = sum(max(0, n) for n in room.values())
+    out: list[tuple[Request, str]] = []
+    rest: list[Request] = []
+    for req in queue:
+        engine_id = req.affinity
+        if engine_id in room and (room[engine_id] > 0 or free == 0):
+            if room[engine_id] > 0:
+                free -= 1
+            room[engine_id] -= 1
+            out.append((req, engine_id))
+        else:
+            rest.append(req)
+    if out:
+        queue.clear()
+        queue.extend(rest)
+    return out

@@ -1,0 +1,194 @@
+"""Collective weight pushes into real vLLM CPU engines (the gloo backend of
+vLLM's weight-transfer API), on the bundled tiny model: the trainer sends
+each byte once over a gloo group whose other ranks are the engines' workers
+and the service's stager."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import grpc
+import pytest
+
+pytest.importorskip("vllm")
+torch = pytest.importorskip("torch")
+
+from rollout_service.config import EngineConfig, ServiceConfig  # noqa: E402
+from trainer_client import PromptGroup  # noqa: E402
+
+from conftest import connect, max_logprob_gap, running, unique, vllm_model  # noqa: E402
+from test_streaming import collect  # noqa: E402
+from test_vllm_engine import PROMPTS, _perturbed, _weights  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+MODEL = vllm_model()
+TIMEOUT_S = 15.0  # the group's bound on every wait, kept short for the failure cases
+
+
+@pytest.fixture(scope="module")
+async def service():
+    cfg = ServiceConfig(grpc_port=0, http_port=0,
+                        engine=EngineConfig(kind="vllm", num_engines=2, model=MODEL, max_model_len=1024, max_seqs=16))
+    async with running(cfg) as service:
+        yield service
+
+
+@pytest.fixture
+async def client(service):
+    async with connect(service, "coll") as c:
+        yield c
+
+
+async def _push(client, weights, version, **kw):
+    kw.setdefault("timeout_s", TIMEOUT_S)
+    kw.setdefault("chunk_mb", 4.0)
+    return await client.push_weights_collective(weights, version, **kw)
+
+
+async def _sample_gap(client, weights, version) -> float:
+    """Sample at temperature 1 and compare every logprob with transformers'
+    recomputation on `weights` (nats); every token must carry `version`."""
+    prefix = unique("lp")
+    await client.submit([PromptGroup(prompt_token_ids=p, num_samples=2, max_tokens=32, temperature=1.0,
+                                     group_id=f"{prefix}-{i}") for i, p in enumerate(PROMPTS)])
+    samples = await collect(client, prefix, 2 * len(PROMPTS), timeout=180)
+    assert all(s.min_version == s.max_version == version for s in samples)
+    return max_logprob_gap(samples, MODEL, weights)
+
+
+def _payload(weights) -> int:
+    return sum(t.numel() * t.element_size() for t in weights.values())
+
+
+async def test_collective_push_serves_the_pushed_weights(service, client):
+    version = (await client.status()).policy_version + 1
+    w = _perturbed(_weights())
+    reply = await _push(client, w, version)
+    assert reply.applied_version == version
+    assert reply.bytes_received == _payload(w)  # sent once for 2 engines and the stager (chain)
+    status = await client.status()
+    assert status.policy_version == version and all(e.policy_version == version for e in status.engines)
+    assert await _sample_gap(client, w, version) < 1e-3
+    # The staged copy (for engines that restart) holds the pushed weights.
+    from safetensors.torch import load_file
+
+    staged = load_file(service.core.weight_sync.last.path)
+    assert all(torch.equal(staged[k], w[k]) for k in w)
+
+
+async def test_push_mid_rollout_loses_and_duplicates_nothing(service, client):
+    start = (await client.status()).policy_version
+    prefix = unique("mid")
+    await client.submit([PromptGroup(prompt_token_ids=PROMPTS[i % 4], num_samples=2, max_tokens=120, temperature=1.0,
+                                     group_id=f"{prefix}-{i}") for i in range(6)])
+    core = service.core
+    deadline = time.time() + 60
+    while not any(len(r.token_ids) > 4 for r, _ in core.running.values()):
+        assert time.time() < deadline
+        await asyncio.sleep(0.05)
+    await _push(client, _weights(), start + 1)
+    samples = await collect(client, prefix, 12, timeout=240)
+    assert len({s.sample_id for s in samples}) == 12
+    assert all(s.finish_reason in ("stop", "length") for s in samples)
+    assert any(s.min_version == start and s.max_version == start + 1 for s in samples)  # spans the push
+    for s in samples:
+        versions = s.token_versions()
+        assert len(versions) == len(s.response_token_ids) == len(s.logprobs)
+        assert versions == sorted(versions)
+
+
+async def test_manifest_mismatch_is_refused_naming_the_tensor(client):
+    before = (await client.status()).policy_version
+    w = _weights()
+    name = "model.layers.0.mlp.down_proj.weight"
+    bad_shape = dict(w, **{name: w[name][:, :-1].contiguous()})
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await _push(client, bad_shape, before + 1)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and name in err.value.details()
+    bad_name = dict(w, **{"model.layers.0.mlp.nonsense.weight": torch.zeros(2)})
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await _push(client, bad_name, before + 1)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "nonsense" in err.value.details()
+    bad_dtype = dict(w, **{name: w[name].to(torch.int32)})
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await _push(client, bad_dtype, before + 1)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and name in err.value.details()
+    assert (await client.status()).policy_version == before
+
+
+class _Stalling:
+    """A state dict whose iteration stalls (a trainer that hangs mid-send)
+    after `after` tensors, until released."""
+
+    def __init__(self, weights, after: int) -> None:
+        self.weights, self.after = weights, after
+        import threading
+
+        self.release = threading.Event()
+
+        self.stall_at = list(weights)[after]
+
+    def items(self):
+        return self.weights.items()
+
+    def keys(self):
+        return self.weights.keys()
+
+    def __getitem__(self, name):
+        if name == self.stall_at:
+            self.release.wait(TIMEOUT_S * 3)
+        return self.weights[name]
+
+
+async def test_trainer_stalling_mid_transfer_leaves_the_previous_version(service, client):
+    before = (await client.status()).policy_version
+    w = _weights()
+    stall = _Stalling(_perturbed(w), after=len(w) // 2)
+    original = [s for s in await _greedy_tokens(client)]
+    t0 = time.monotonic()
+    push = asyncio.ensure_future(_push(client, stall, before + 1))
+    # A second push while this one applies is refused, clearly.
+    await asyncio.sleep(3)
+    async with connect(service, "coll2") as other:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await _push(other, w, before + 2)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "being applied" in err.value.details()
+    with pytest.raises(Exception):
+        await push
+    stall.release.set()
+    assert time.monotonic() - t0 < TIMEOUT_S * 4  # bounded by the group's timeout
+    status = await client.status()
+    assert status.policy_version == before and all(e.state == "ready" for e in status.engines)
+    assert await _greedy_tokens(client) == original  # the previous weights, whole
+    # And the next push forms the group again and applies.
+    reply = await _push(client, w, before + 1)
+    assert reply.applied_version == before + 1
+
+
+async def _greedy_tokens(client) -> list[list[int]]:
+    prefix = unique("g")
+    await client.submit([PromptGroup(prompt_token_ids=p, num_samples=1, max_tokens=16, temperature=0.0,
+                                     group_id=f"{prefix}-{i}") for i, p in enumerate(PROMPTS)])
+    got = {s.group_id: s.response_token_ids for s in await collect(client, prefix, len(PROMPTS), timeout=120)}
+    return [got[f"{prefix}-{i}"] for i in range(len(PROMPTS))]
+
+
+async def test_engine_restarted_after_a_collective_push_comes_back_at_its_version(service, client):
+    core = service.core
+    version = (await client.status()).policy_version + 1
+    w = _perturbed(_weights())
+    await _push(client, w, version)
+    victim = core.engines["vllm-1"]
+    restarts = victim.restarts
+    os.kill(victim.engine_core_pid, signal.SIGKILL)
+    deadline = time.time() + 240
+    while not (victim.restarts == restarts + 1 and victim.load().state == "ready" and not core.is_restarting("vllm-1")):
+        assert time.time() < deadline, "the killed engine did not come back"
+        await asyncio.sleep(0.5)
+    assert victim.load().policy_version == version
+    assert await _sample_gap(client, w, version) < 1e-3  # both engines serve the pushed weights
+    # The group lost a member: the next push forms it again by itself.
+    reply = await _push(client, _weights(), version + 1)
+    assert reply.applied_version == version + 1

@@ -1,0 +1,296 @@
+"""The trainer's side of a collective weight push (`RolloutClient.
+push_weights_collective`): the trainer is rank 0 of a `torch.distributed`
+group whose other ranks are the engines' workers, and sends each byte once.
+
+It runs vLLM's trainer-side weight-transfer engines: `nccl` on GPUs (vLLM's
+`NCCLTrainerWeightTransferEngine`) and `gloo` on CPUs
+(`GlooTrainerWeightTransferEngine` below, registered with vLLM's
+`WeightTransferTrainerFactory`), both driven through `ServiceControl`, the
+`VLLMWeightSyncClient` that speaks rollout.v1's control plane
+(InitWeightTransfer, CollectiveUpdate). Without vLLM installed, gloo still
+works (the engine class is used directly).
+
+torch is imported lazily; this module never imports the service.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Mapping
+
+import grpc
+
+from rollout_proto import collective as wire
+from rollout_proto import rollout_pb2 as pb
+
+
+@dataclass
+class GlooTrainerInitInfo:
+    """Trainer-side init info of the gloo backend (vLLM's `TrainerInitInfo`
+    shape: `backend` selects the engine, `rank` 0 sends)."""
+
+    backend: ClassVar[str] = "gloo"
+
+    master_address: str
+    master_port: int
+    world_size: int
+    timeout_s: float = wire.DEFAULT_TIMEOUT_S
+    chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES
+    mode: str = "chain"
+    rank: int = field(default=0, kw_only=True)
+
+    @property
+    def is_sender(self) -> bool:
+        return self.rank == 0
+
+
+@dataclass(frozen=True)
+class ParamMeta:
+    name: str
+    dtype: Any  # torch.dtype
+    shape: tuple[int, ...]
+
+
+class StateDictSource:
+    """A `WeightSource` over a state dict, set before each push."""
+
+    def __init__(self) -> None:
+        self.state_dict: Mapping[str, Any] = {}
+
+    def metadata(self) -> list[ParamMeta]:
+        return [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in self.state_dict.items()]
+
+    def __iter__(self):
+        for name in self.state_dict.keys():
+            t = self.state_dict[name]
+            full = getattr(t, "full_tensor", None)  # an FSDP shard: gathered here
+            yield name, (full() if callable(full) else t).detach()
+
+
+class GlooTrainerWeightTransferEngine:
+    """vLLM's trainer-side engine interface (`trainer_init`, `send_weights`,
+    `shutdown`) over a gloo group; the bytes go as `rollout_proto.collective`
+    cuts them (chain mode: sent once, whatever the number of engines)."""
+
+    init_info_cls = GlooTrainerInitInfo
+
+    def __init__(self, *, client, source, is_sender: bool, info: GlooTrainerInitInfo) -> None:
+        self.client = client
+        self.source = source
+        self.is_sender = is_sender
+        self.info = info
+        self.group = None
+        self.store = None
+        self.bytes_sent = 0  # by the last send_weights
+
+    @classmethod
+    def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client, source=None) -> "GlooTrainerWeightTransferEngine":
+        if source is None:
+            raise ValueError("the gloo trainer engine needs a WeightSource")
+        engine = cls(client=client, source=source, is_sender=init_info.is_sender, info=init_info)
+        if not engine.is_sender:
+            return engine
+        payload = {"master_address": init_info.master_address, "master_port": init_info.master_port,
+                   "rank_offset": 1, "world_size": init_info.world_size, "timeout_s": init_info.timeout_s,
+                   "chunk_bytes": init_info.chunk_bytes, "mode": init_info.mode}
+        # The store first (the receivers reach it at once), then the receivers
+        # join (they block until every rank has) while this rank joins too.
+        engine.store = wire.open_store(init_info.master_address, init_info.master_port, 0, init_info.world_size,
+                                       init_info.timeout_s)
+        with ThreadPoolExecutor(max_workers=1) as exe:
+            future = exe.submit(client.init_weight_transfer_engine, payload)
+            try:
+                engine.group = wire.group_on(engine.store, "gloo", init_info.master_address, 0,
+                                             init_info.world_size, init_info.timeout_s)
+            except BaseException:
+                future.result()  # the service's reason first, if it has one
+                raise
+            future.result()
+        return engine
+
+    def send_weights(self) -> None:
+        meta = self.source.metadata()
+        if not self.is_sender:
+            for _ in self.source:
+                pass
+            return
+        specs = [wire.Spec(m.name, str(m.dtype).removeprefix("torch."), tuple(m.shape)) for m in meta]
+        update_info = {"names": [s.name for s in specs], "dtype_names": [s.dtype for s in specs],
+                       "shapes": [list(s.shape) for s in specs]}
+        self.client.start_weight_update()  # the manifest is checked before a byte moves
+        exe = ThreadPoolExecutor(max_workers=1)
+        try:
+            future = exe.submit(self.client.update_weights, update_info)
+            self.bytes_sent = wire.send(self.group, self.info.world_size, specs, iter(self.source),
+                                        self.info.chunk_bytes, self.info.mode, self.info.timeout_s)
+            future.result()
+        finally:
+            exe.shutdown(wait=False)
+        self.client.finish_weight_update()
+
+    def shutdown(self) -> None:
+        group, self.group, self.store = self.group, None, None
+        wire.abort_group(group)
+
+
+class ServiceControl:
+    """`VLLMWeightSyncClient` over rollout.v1 (synchronous calls, made from
+    a worker thread, each run on the client's event loop)."""
+
+    def __init__(self, stub, metadata, loop: asyncio.AbstractEventLoop, backend: str, timeout_s: float) -> None:
+        self._stub = stub
+        self._md = metadata
+        self._loop = loop
+        self.backend = backend
+        self.timeout_s = timeout_s
+        self.version = 0
+        self.manifest: list[pb.TensorSpec] = []
+        self._call = None
+        self.applied_version = 0
+        self.seconds = 0.0
+
+    def _run(self, coro, timeout: float | None = None):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        options = {k: v for k, v in init_info.items()
+                   if k not in ("master_address", "master_port", "world_size", "timeout_s", "rank_offset")}
+        request = pb.InitWeightTransferRequest(
+            backend=self.backend, master_address=init_info["master_address"],
+            master_port=int(init_info["master_port"]), world_size=int(init_info["world_size"]),
+            timeout_s=float(init_info.get("timeout_s", self.timeout_s)), options_json=json.dumps(options))
+        async def init():
+            await self._stub.InitWeightTransfer(request, metadata=self._md)
+
+        self._run(init())
+
+    async def _next(self, phase: int) -> pb.CollectiveUpdateEvent:
+        event = await self._call.read()
+        if event is None or event is grpc.aio.EOF:
+            await self._call  # raises the call's status
+            raise RuntimeError("the service ended the push without a status")
+        if event.phase != phase:
+            raise RuntimeError(f"the service sent phase {event.phase}, expected {phase}")
+        return event
+
+    def start_weight_update(self) -> None:
+        async def start():
+            self._call = self._stub.CollectiveUpdate(
+                pb.CollectiveUpdateRequest(version=self.version, tensors=self.manifest), metadata=self._md)
+            await self._next(pb.CollectiveUpdateEvent.ACCEPTED)
+
+        self._run(start(), self.timeout_s + 60)
+
+    def update_weights(self, update_info) -> None:
+        self._run(self._next(pb.CollectiveUpdateEvent.RECEIVED), self.timeout_s * 4 + 120)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        event = self._run(self._next(pb.CollectiveUpdateEvent.LIVE), self.timeout_s * 4 + 120)
+        self.applied_version = event.applied_version
+        self.seconds = event.seconds
+
+    def cancel(self) -> None:
+        call, self._call = self._call, None
+        if call is not None:
+            self._loop.call_soon_threadsafe(call.cancel)
+
+
+def free_port(address: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((address, 0))
+        return s.getsockname()[1]
+
+
+def trainer_engine(init_info, control: ServiceControl, source: StateDictSource):
+    """vLLM's `WeightTransferTrainerFactory.trainer_init` for the init
+    info's backend (gloo registered here if this process has not yet). For
+    gloo in a process that has not loaded vLLM (importing it costs seconds),
+    or without vLLM, the same gloo engine directly."""
+    if init_info.backend == "gloo" and "vllm.distributed.weight_transfer.factory" not in sys.modules:
+        return GlooTrainerWeightTransferEngine.trainer_init(init_info, client=control, source=source)
+    try:
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+    except ImportError:
+        if init_info.backend != "gloo":
+            raise RuntimeError(f"the {init_info.backend} backend needs vLLM installed in the trainer") from None
+        return GlooTrainerWeightTransferEngine.trainer_init(init_info, client=control, source=source)
+    if "gloo" not in WeightTransferTrainerFactory._registry:
+        WeightTransferTrainerFactory.register_engine("gloo", GlooTrainerWeightTransferEngine)
+    return WeightTransferTrainerFactory.trainer_init(init_info, client=control, source=source)
+
+
+def init_info_for(plan: pb.WeightTransferPlan, address: str, port: int, timeout_s: float, chunk_bytes: int,
+                  mode: str):
+    if plan.backend == "gloo":
+        return GlooTrainerInitInfo(address, port, plan.world_size, timeout_s, chunk_bytes, mode)
+    if plan.backend == "nccl":
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+        return NCCLTrainerInitInfo(master_address=address, master_port=port, world_size=plan.world_size, rank=0)
+    raise ValueError(f"unknown backend {plan.backend!r}")
+
+
+def manifest_of(state_dict: Mapping[str, Any]) -> list[pb.TensorSpec]:
+    out = []
+    for name, t in state_dict.items():
+        dtype = str(t.dtype).removeprefix("torch.")
+        shape = [int(d) for d in t.shape]
+        n = wire.Spec(name, dtype, tuple(shape)).nbytes if dtype in wire._ITEMSIZE else 0
+        out.append(pb.TensorSpec(name=name, dtype=dtype, shape=shape, byte_length=n))
+    return out
+
+
+class CollectiveGroup:
+    """A trainer's membership of the service's transfer group, kept across
+    pushes (`RolloutClient.push_weights_collective` holds one)."""
+
+    def __init__(self, stub, metadata, backend: str, address: str, port: int, timeout_s: float,
+                 chunk_bytes: int, mode: str) -> None:
+        self._stub = stub
+        self._md = metadata
+        self.backend = backend
+        self.address = address
+        self.port = port
+        self.timeout_s = timeout_s
+        self.chunk_bytes = chunk_bytes
+        self.mode = mode
+        self.control: ServiceControl | None = None
+        self.engine = None
+        self.source = StateDictSource()
+        self.plan: pb.WeightTransferPlan | None = None
+
+    async def open(self) -> None:
+        self.plan = await self._stub.GetWeightTransferPlan(
+            pb.WeightTransferPlanRequest(backend=self.backend), metadata=self._md)
+        port = self.port or free_port(self.address)
+        self.control = ServiceControl(self._stub, self._md, asyncio.get_running_loop(), self.plan.backend,
+                                      self.timeout_s)
+        info = init_info_for(self.plan, self.address, port, self.timeout_s, self.chunk_bytes, self.mode)
+        self.engine = await asyncio.to_thread(trainer_engine, info, self.control, self.source)
+
+    async def push(self, state_dict: Mapping[str, Any], version: int) -> tuple[int, float, int]:
+        """(applied version, seconds from the request to live, bytes this rank sent)."""
+        if self.engine is None:
+            await self.open()
+        self.source.state_dict = state_dict
+        self.control.version = version
+        self.control.manifest = manifest_of(state_dict)
+        try:
+            await asyncio.to_thread(self.engine.send_weights)
+        finally:
+            self.source.state_dict = {}
+        sent = getattr(self.engine, "bytes_sent", None)
+        if sent is None:  # vLLM's engines do not count: the payload, once
+            sent = sum(s.byte_length for s in self.control.manifest)
+        return self.control.applied_version, self.control.seconds, sent
+
+    def close(self) -> None:
+        engine, self.engine = self.engine, None
+        if self.control is not None:
+            self.control.cancel()
+        if engine is not None:
+            engine.shutdown()
