@@ -50,6 +50,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="policy partial: groups kept in flight per group a step needs")
     r.add_argument("--max-version-lag", type=int, default=1,
                    help="policy partial: restart work holding tokens older than this many versions (-1: no bound)")
+    r.add_argument("--train-s", type=float, default=0.0,
+                   help="closed loop: a trainer stand-in computes this many seconds per step (on hardware of its "
+                        "own) between the hand-over and the weight push")
     r.add_argument("--length-scale", type=float, default=1.0, help="multiply prompt and response lengths")
     r.add_argument("--mode", choices=["closed", "open"], default="closed", help="closed loop (RL steps) or open loop")
     r.add_argument("--rate", type=float, default=0.0, help="open loop: groups per second")
@@ -111,14 +114,15 @@ def run_one(args, workload_name: str, engines: int, out: Path | None) -> dict:
         workload=workload, engines=engines, clock=args.clock, engine_kind=args.engine, max_seqs=args.max_seqs,
         kv_tokens=args.kv_tokens, sim={**_cost_model(args.cost_model), **_sim_overrides(args.sim)}, seed=args.seed, mode=args.mode, rate=args.rate,
         need_groups=args.need_groups, model=args.model, progress=not args.quiet,
-        over_provision=args.over_provision, max_version_lag=args.max_version_lag,
+        over_provision=args.over_provision, max_version_lag=args.max_version_lag, train_s=args.train_s,
     )
     cfg.check()
     d = workload.describe()
     print(f"{workload.name} ({d['source']}): {d['steps']} steps x {d['groups_per_step']} groups x "
           f"{d['samples_per_group']} samples, length scale {workload.length_scale:g}, p50 {d['output_p50']:.0f} / "
           f"max {d['output_max']} tokens; {engines} {args.engine} engines x {args.max_seqs} seqs, "
-          f"{args.clock} clock, {args.mode} loop", flush=True)
+          f"{args.clock} clock, {args.mode} loop"
+          + (f", trainer stand-in {args.train_s:g} s per step" if args.train_s > 0 else ""), flush=True)
     results = []
     for policy in policies:
         results.append(run_policy(cfg, policy))

@@ -336,7 +336,8 @@ def step_metrics(record: StepRecord, start: Counters, end: Counters, probe: Flee
 def summarise(steps: list[dict], records: list[StepRecord], engines: int) -> dict:
     """Run-level figures from the per-step ones (time-weighted where it matters)."""
     for s, r in zip(steps, records):
-        s["weight_sync_s"] = r.weights_at - r.done_at
+        s["train_s"] = r.trained_at - r.done_at if r.trained_at else 0.0
+        s["weight_sync_s"] = r.weights_at - (r.trained_at or r.done_at)
     spans = np.array([s["makespan_s"] for s in steps])
     total = float(spans.sum())
     busy = np.array([s["busy_fraction"] for s in steps])  # steps x engines
@@ -358,6 +359,10 @@ def summarise(steps: list[dict], records: list[StepRecord], engines: int) -> dic
         "latency_p50_s": float(np.percentile(latency, 50)) if latency else 0.0,
         "latency_p99_s": float(np.percentile(latency, 99)) if latency else 0.0,
         "weight_sync_s": float(np.mean([s["weight_sync_s"] for s in steps])),
+        # The whole RL step (samples, the trainer stand-in, the push): what a trainer's loop sees.
+        "step_time_s": float(np.mean([r.cycle_s for r in records])) if records else 0.0,
+        "groups_per_s_with_trainer": (sum(r.groups_complete for r in records) / sum(r.cycle_s for r in records)
+                                      if records and sum(r.cycle_s for r in records) > 0 else 0.0),
         "samples_submitted": sum(s["samples_submitted"] for s in steps),
         "samples_delivered": sum(len(r.samples) for r in records),
         "tokens": sum(s["tokens"] for s in steps),

@@ -52,18 +52,30 @@ def table(results: list[RunResult]) -> str:
     """A fixed-width table of the headline figures."""
     head = (f"{'policy':<22} {'makespan s':>11} {'bound s':>9} {'x bound':>8} {'tokens/s':>10} "
             f"{'groups/s':>9} {'slots':>6} {'busy':>6} {'p99 lat s':>10} {'delivered':>10} {'wall s':>7}")
-    lines = [head, "-" * len(head)]
     if results and results[0].summary.get("multi_turn"):
         return multi_turn_table(results)
+    # The whole RL step (samples, the trainer stand-in, the push) and the
+    # groups per second a trainer's loop gets, against the first policy.
+    loop = results and all("max_trained_lag" in r.summary for r in results)
+    if loop:
+        head += f" {'step s':>7} {'loop groups/s':>13} {'x first':>8} {'lag<=':>6} {'stale masked':>13}"
+    lines = [head, "-" * len(head)]
+    first = results[0].summary.get("groups_per_s_with_trainer", 0.0) if results else 0.0
     for r in results:
         s = r.summary
         ratio = f"{s['ratio_to_bound']:.2f}" if s["ratio_to_bound"] else "-"
-        lines.append(
+        delivered = s.get("samples_delivered_with_drain", s["samples_delivered"])
+        line = (
             f"{r.policy:<22} {s['makespan_s']:>11.2f} {s['lower_bound_s']:>9.2f} {ratio:>8} "
             f"{s['tokens_per_s']:>10.0f} {s['groups_per_s']:>9.2f} {s['slot_utilisation']:>6.3f} "
             f"{s['busy_fraction']:>6.3f} {s['latency_p99_s']:>10.2f} "
-            f"{s['samples_delivered']:>5}/{s['samples_submitted']:<4} {s['wall_s']:>7.1f}"
+            f"{delivered:>5}/{s['samples_submitted']:<4} {s['wall_s']:>7.1f}"
         )
+        if loop:
+            g = s["groups_per_s_with_trainer"]
+            line += (f" {s['step_time_s']:>7.2f} {g:>13.3f} {g / first if first else 0:>7.2f}x "
+                     f"{s['max_trained_lag']:>6} {s['tokens_masked_stale']:>13}")
+        lines.append(line)
     return "\n".join(lines)
 
 

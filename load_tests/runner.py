@@ -47,6 +47,7 @@ class RunConfig:
     progress: bool = True
     over_provision: float = 2.0  # policy "partial": groups in flight per group a step needs
     max_version_lag: int = 1  # policy "partial": staleness bound (-1: none)
+    train_s: float = 0.0  # closed loop: the trainer stand-in's compute per step
 
     def check(self) -> None:
         if self.clock not in ("virtual", "real"):
@@ -59,6 +60,8 @@ class RunConfig:
             raise ValueError(f"engines must be >= 1, got {self.engines}")
         if self.mode not in ("closed", "open"):
             raise ValueError(f"mode must be 'closed' or 'open', got {self.mode!r}")
+        if self.train_s < 0:
+            raise ValueError(f"train_s must be >= 0 seconds, got {self.train_s}")
         if self.mode == "open" and self.rate <= 0:
             raise ValueError("the open loop needs --rate > 0 (groups per second)")
 
@@ -181,11 +184,11 @@ async def run_async(cfg: RunConfig, policy: PolicySpec, on_fleet=None) -> RunRes
             if cfg.mode == "closed" and policy.has("partial"):
                 records, duplicates, extra = await driver.partial_loop(
                     fleet.target, w, fleet.vocab_size, cfg.over_provision, run_id=policy.name,
-                    on_step_start=on_start, on_step_end=on_end)
+                    on_step_start=on_start, on_step_end=on_end, train_s=cfg.train_s)
             elif cfg.mode == "closed":
                 records, duplicates = await driver.closed_loop(
                     fleet.target, w, fleet.vocab_size, run_id=policy.name, need_groups=cfg.need_groups,
-                    on_step_start=on_start, on_step_end=on_end)
+                    on_step_start=on_start, on_step_end=on_end, train_s=cfg.train_s)
             else:
                 records, duplicates = await driver.open_loop(
                     fleet.target, w, fleet.vocab_size, cfg.rate, seed=cfg.seed, run_id=policy.name,
@@ -197,6 +200,8 @@ async def run_async(cfg: RunConfig, policy: PolicySpec, on_fleet=None) -> RunRes
         summary.update(multiturn.summarise(step_out, records))
         summary["trajectory_moves"] = int(fleet.core.counters.get("trajectory_moves", 0))
         summary["tool_calls"] = env.calls
+    if cfg.mode == "closed":
+        summary.update(trained_staleness(records, cfg.max_version_lag if policy.has("partial") else -1))
     if extra:
         summary.update(partial_summary(extra, records, summary, cfg))
     summary.update({
@@ -247,6 +252,26 @@ def partial_summary(extra: dict, records: list[driver.StepRecord], summary: dict
         "samples_by_handover_lag": {str(k): v for k, v in sorted(lags.items())},
         "length_bias": extra["length_bias"],
     }
+
+
+def trained_staleness(records: list[driver.StepRecord], max_version_lag: int) -> dict:
+    """What a trainer that honours `max_version_lag` trains on: step k trains
+    policy version k, so a token sampled by a version older than
+    k - max_version_lag is masked out of the loss (the GRPO example's rule,
+    `Sample.loss_mask(current_version, max_lag)`). Counts the tokens so masked and the largest
+    lag among the tokens trained on."""
+    masked = trained = 0
+    worst = 0
+    for r in records:
+        for c in r.samples:
+            for version, n in c.tokens_by_version.items():
+                lag = r.step - version
+                if max_version_lag >= 0 and lag > max_version_lag:
+                    masked += n
+                else:
+                    trained += n
+                    worst = max(worst, lag)
+    return {"tokens_trained": trained, "tokens_masked_stale": masked, "max_trained_lag": worst}
 
 
 def _reward(records: list[driver.StepRecord], w: Workload) -> float:

@@ -116,6 +116,16 @@ def _staged(state: dict):
     return staged(tensors) if staged else {t.name: t for t in tensors}
 
 
+def _tokens_by_version(versions) -> dict[int, int]:
+    """Generated tokens per policy version, from the core's tags or the
+    client's (version, start, length) segments."""
+    out: dict[int, int] = {}
+    for version, _, length in getattr(versions, "segments", versions):
+        if version >= 0:  # observations carry no version
+            out[version] = out.get(version, 0) + length
+    return out
+
+
 def _completion(sample, prompt_len: int, keep_tokens: bool) -> Completion:
     mask = getattr(sample, "loss_mask", None)  # the core's list (the client's Sample has a method of that name)
     mask = list(mask) if isinstance(mask, list) else []
@@ -135,6 +145,7 @@ def _completion(sample, prompt_len: int, keep_tokens: bool) -> Completion:
         response_token_ids=list(sample.response_token_ids) if keep_tokens else None,
         min_version=sample.versions.min_version if hasattr(sample.versions, "min_version") else sample.min_version,
         max_version=sample.versions.max_version if hasattr(sample.versions, "max_version") else sample.max_version,
+        tokens_by_version=_tokens_by_version(sample.versions),
         generated_len=sum(mask) if mask else -1,
         turns=sum(1 for t in turns if t.kind == "generated"),
         tool_s=sum(t.tool_s for t in turns if t.kind == "observation"),

@@ -283,3 +283,23 @@ def test_information_plot_draws_both_panels_from_quick_runs(tmp_path):
     # Video: the service's predictor, lengths after 16 tokens, at placement; code: spread, then packed.
     assert plot(horizon, noisy, tmp_path / "fig.png") == {"left": 1, "right": 1}
     assert (tmp_path / "fig.png").stat().st_size > 10_000
+
+
+def test_a_trainer_stand_in_is_part_of_each_step_and_partial_rollout_fills_it():
+    """`train_s`: the trainer computes that long per step before the push.
+    A synchronous loop idles meanwhile, so its step is the makespan plus
+    the training; partial rollout keeps its in-flight groups generating,
+    delivers more complete groups per second of the loop, and trains no
+    token older than the lag bound (older ones are counted as masked)."""
+    w = quick(steps=3, groups=8)
+    cfg = RunConfig(w, engines=2, max_seqs=16, progress=False, train_s=1.0, max_version_lag=1, over_provision=2.0)
+    static = run_policy(cfg, parse_policy("static")).summary
+    partial = run_policy(cfg, parse_policy("partial")).summary
+    assert static["step_time_s"] >= static["makespan_s"] + 1.0
+    assert static["max_trained_lag"] == 0 and static["tokens_masked_stale"] == 0
+    assert static["tokens_trained"] == static["tokens"]
+    assert partial["groups_per_s_with_trainer"] > 1.2 * static["groups_per_s_with_trainer"]
+    assert partial["max_trained_lag"] <= 1
+    assert partial["samples_delivered_with_drain"] == partial["samples_submitted"]
+    with pytest.raises(ValueError, match="train_s"):
+        RunConfig(w, engines=2, train_s=-1).check()
