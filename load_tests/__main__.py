@@ -19,7 +19,7 @@ import json
 import sys
 from pathlib import Path
 
-from load_tests.report import markdown_speedup_table, markdown_table, plot, table, write_json
+from load_tests.report import write_measured, markdown_speedup_table, markdown_table, plot, table, write_json
 from load_tests.runner import RunConfig, run_policy
 from load_tests.workloads import WORKLOADS, load_workload
 from rollout_service.engines.sim import SimParams
@@ -69,6 +69,13 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("dir")
     t.add_argument("--speedup-over", metavar="POLICY",
                    help="one row per report: each policy's makespan speedup over POLICY and its ratio to the bound")
+    q = sub.add_parser("predict", help="replay a run on real engines on calibrated simulated engines: "
+                                       "predicted vs measured per policy")
+    q.add_argument("dir", help="the report directory of a `run --engine vllm --report DIR`")
+    q.add_argument("--cost-model", metavar="JSON", required=True,
+                   help="a calibration file (load_tests/calibrate.py) of the same engines")
+    q.add_argument("--sim", action="append", default=[], metavar="FIELD=VALUE", help="cost-model overrides")
+    q.add_argument("--out", help="write the rows as JSON here")
     a = sub.add_parser("predictor", help="rank correlation of the length predictor with the true lengths on a replay")
     a.add_argument("--workload", default="math,code,video", help="comma list, as for run")
     a.add_argument("--engines", default="8", help="engines in the fleet (comma list: each)")
@@ -134,9 +141,14 @@ def run_one(args, workload_name: str, engines: int, out: Path | None) -> dict:
         "steps": len(workload.steps), "groups_per_step": workload.groups_per_step, "seed": args.seed,
         "mode": args.mode, "rate": args.rate, "need_groups": args.need_groups, "quick": args.quick,
         "sim": cfg.sim, "cost_model_file": args.cost_model, "policies": [p.name for p in policies],
+        "model": args.model, "max_tokens": workload.max_tokens, "over_provision": args.over_provision,
+        "max_version_lag": args.max_version_lag, "train_s": args.train_s,
     }
     if out is not None:
         path = write_json(out, config, workload, results)
+        if args.clock == "real":
+            print(f"measured traces: {write_measured(out, results)} (replay: python -m load_tests predict {out} "
+                  f"--cost-model FIT.json)", flush=True)
         if not args.no_plots:
             plot(out, workload, results, f"{workload.name}, {engines} engines")
         print(f"report: {path}", flush=True)
@@ -163,6 +175,17 @@ def main(argv: list[str] | None = None) -> int:
             print(markdown_speedup_table(Path(args.dir), args.speedup_over))
         else:
             print(markdown_table(Path(args.dir)))
+        return 0
+    if args.command == "predict":
+        from load_tests import predict
+
+        try:
+            rows = predict.predict(Path(args.dir), {**_cost_model(args.cost_model), **_sim_overrides(args.sim)})
+        except (ValueError, FileNotFoundError) as exc:
+            raise SystemExit(f"predict: {exc}")
+        print(predict.markdown(rows))
+        if args.out:
+            Path(args.out).write_text(json.dumps(rows, indent=2))
         return 0
     if args.command == "predictor":
         from load_tests import predictor_accuracy

@@ -48,6 +48,23 @@ def write_json(out: Path, config: dict, workload: Workload, results: list[RunRes
     return path
 
 
+def write_measured(out: Path, results: list[RunResult]) -> Path:
+    """For runs in real time: what each policy's engines generated, as
+    PolyTrace-format traces (`DIR/measured/<policy>/packed_lengths_step_K.jsonl`)
+    that `python -m load_tests predict` replays on simulated engines."""
+    base = out / "measured"
+    for r in results:
+        d = base / r.policy.replace("+", "_")
+        d.mkdir(parents=True, exist_ok=True)
+        for old in d.glob("packed_lengths_step_*.jsonl"):
+            old.unlink()
+        for step, groups in r.measured_steps().items():
+            lines = [json.dumps({"step": step, "input": prompt, "output": lengths, "n_sampling": len(lengths)})
+                     for prompt, lengths in groups]
+            (d / f"packed_lengths_step_{step}.jsonl").write_text("\n".join(lines) + "\n")
+    return base
+
+
 def table(results: list[RunResult]) -> str:
     """A fixed-width table of the headline figures."""
     head = (f"{'policy':<22} {'makespan s':>11} {'bound s':>9} {'x bound':>8} {'tokens/s':>10} "

@@ -73,6 +73,22 @@ class RunResult:
     steps: list[dict]
     timeline: dict  # times (s from the first step's start), running (samples x engines), step starts
     records: list[driver.StepRecord] = field(default_factory=list, repr=False)  # every delivered sample
+    drained: list[driver.Completion] = field(default_factory=list, repr=False)  # partial: delivered after the last step
+
+    def measured_steps(self) -> dict[int, list[tuple[int, list[int]]]]:
+        """What was generated, as a trace: per workload step, each group's
+        prompt length and its samples' response lengths (in sample order).
+        Group ids name the workload step and index they came from
+        (`{policy}-s{step}-g{i}`), whichever step delivered them."""
+        groups: dict[tuple[int, int], dict[int, driver.Completion]] = {}
+        for c in [c for r in self.records for c in r.samples] + self.drained:
+            _, step, index = c.group_id.rsplit("-", 2)
+            groups.setdefault((int(step[1:]), int(index[1:])), {})[c.index] = c
+        out: dict[int, list[tuple[int, list[int]]]] = {}
+        for (step, _), samples in sorted(groups.items()):
+            first = next(iter(samples.values()))
+            out.setdefault(step, []).append((first.prompt_len, [samples[i].response_len for i in sorted(samples)]))
+        return out
 
 
 def fleet_spec(cfg: RunConfig, policy: PolicySpec, environments: dict | None = None) -> FleetSpec:
@@ -221,7 +237,8 @@ async def run_async(cfg: RunConfig, policy: PolicySpec, on_fleet=None) -> RunRes
         "engine_ids": list(fleet.engines),
         "max_seqs": cfg.max_seqs,
     }
-    return RunResult(policy.name, summary, step_out, timeline, records)
+    drained = extra["drain"]["drained_samples"] if extra else []
+    return RunResult(policy.name, summary, step_out, timeline, records, drained)
 
 
 def partial_summary(extra: dict, records: list[driver.StepRecord], summary: dict, cfg: RunConfig) -> dict:

@@ -303,3 +303,36 @@ def test_a_trainer_stand_in_is_part_of_each_step_and_partial_rollout_fills_it():
     assert partial["samples_delivered_with_drain"] == partial["samples_submitted"]
     with pytest.raises(ValueError, match="train_s"):
         RunConfig(w, engines=2, train_s=-1).check()
+
+
+def test_a_real_time_run_writes_what_was_generated_and_predict_replays_it(tmp_path, capsys):
+    """A run in real time writes each policy's generated lengths as a trace
+    (every group of every step, partial rollout's drained groups too);
+    `predict` replays each policy's own trace in virtual time and prints
+    measured and predicted figures side by side."""
+    out = tmp_path / "measured-run"
+    assert main(["run", "--workload", "math", "--engines", "2", "--clock", "real", "--length-scale", "0.05",
+                 "--steps", "2", "--groups-per-step", "4", "--policy", "static,partial", "--train-s", "0.2",
+                 "--report", str(out), "--no-plots", "--quiet"]) == 0
+    w = load_workload("math", length_scale=0.05, steps=2, groups_per_step=4)
+    from load_tests.workloads import polytrace
+
+    for policy in ("static", "least-assigned_partial"):
+        replay = polytrace.load_trace(out / "measured" / policy, name=policy)
+        # Simulated engines generate exactly the hinted lengths: the trace is the workload.
+        assert [[g.output_lens for g in s] for s in replay.steps] == [[g.output_lens for g in s] for s in w.steps]
+        assert [[g.prompt_len for g in s] for s in replay.steps] == [[g.prompt_len for g in s] for s in w.steps]
+    fit = tmp_path / "fit.json"
+    fit.write_text(json.dumps({"sim_params": {"decode_base_s": 0.004, "decode_per_seq_s": 0.00015}}))
+    capsys.readouterr()
+    assert main(["predict", str(out), "--cost-model", str(fit), "--out", str(tmp_path / "rows.json")]) == 0
+    printed = capsys.readouterr().out
+    assert "| static |" in printed and "| least-assigned+partial |" in printed
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    for row in rows:
+        for key in ("makespan_s", "step_time_s", "groups_per_s_with_trainer"):
+            assert row[key]["measured"] > 0 and row[key]["predicted"] > 0
+    with pytest.raises(SystemExit, match="virtual time"):
+        virtual = tmp_path / "virtual"
+        main(["run", "--workload", "math", "--quick", "--report", str(virtual), "--no-plots", "--quiet"])
+        main(["predict", str(virtual), "--cost-model", str(fit)])

@@ -1,0 +1,75 @@
+"""Predicted vs measured: a run on real engines replayed on simulated ones.
+
+    python -m load_tests run --engine vllm --clock real ... --report reports/measured
+    python -m load_tests predict reports/measured --cost-model fit.json
+
+A `run` in real time (real engines, or simulated ones on the real clock)
+writes, next to its report, what each policy's
+engines generated (`measured/<policy>/packed_lengths_step_*.jsonl`: every
+group's prompt length and response lengths). `predict` replays each
+policy's own trace in virtual time on simulated engines with the
+calibrated cost model (`load_tests.calibrate`), the same fleet, batch cap,
+over-provisioning, lag bound and trainer stand-in, and the weight push the
+measured run took per step (the calibration does not model pushes), then
+prints per policy the measured and predicted step makespan, RL step time
+and complete groups per second, with the error of each prediction.
+
+What the simulator cannot know is said in the table's notes: it replays the
+measured lengths (it does not sample them), and its speculation model is
+its own (`SimParams` acceptance profile), not the measured drafter's.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from load_tests.policies import parse_policy
+from load_tests.runner import RunConfig, run_policy
+from load_tests.workloads import polytrace
+
+FIGURES = [("makespan_s", "makespan s"), ("step_time_s", "RL step s"), ("groups_per_s_with_trainer", "loop groups/s")]
+
+
+def measured_dir(report_dir: Path, policy: str) -> Path:
+    return report_dir / "measured" / policy.replace("+", "_")
+
+
+def predict(report_dir: Path, sim: dict, progress: bool = False) -> list[dict]:
+    """One row per policy of the measured run: its figures, measured and predicted."""
+    doc = json.loads((report_dir / "report.json").read_text())
+    cfg = doc["config"]
+    if cfg.get("clock") != "real":
+        raise ValueError(f"{report_dir}: a run in virtual time; predict replays runs in real time (real engines)")
+    rows = []
+    for policy in cfg["policies"]:
+        trace = measured_dir(report_dir, policy)
+        if not trace.is_dir():
+            raise FileNotFoundError(f"{trace}: no measured trace (written by `run --clock real --report DIR`)")
+        measured = doc["results"][policy]
+        workload = polytrace.load_trace(trace, name=f"measured {policy}", cap=cfg.get("max_tokens"))
+        push_s = float(measured.get("weight_sync_s", 0.0))
+        run = RunConfig(workload, engines=cfg["engines"], clock="virtual", engine_kind="sim", max_seqs=cfg["max_seqs"],
+                        kv_tokens=cfg["kv_tokens"], sim={**sim, "weight_update_s": push_s}, seed=cfg["seed"],
+                        need_groups=cfg.get("need_groups"), progress=progress,
+                        over_provision=cfg.get("over_provision", 2.0), max_version_lag=cfg.get("max_version_lag", 1),
+                        train_s=cfg.get("train_s", 0.0))
+        predicted = run_policy(run, parse_policy(policy)).summary
+        row = {"policy": policy, "weight_push_s": push_s}
+        for key, _ in FIGURES:
+            m, p = float(measured.get(key, 0.0)), float(predicted.get(key, 0.0))
+            row[key] = {"measured": m, "predicted": p, "error": (p / m - 1.0) if m else None}
+        rows.append(row)
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    head = "| policy | " + " | ".join(f"{label}: measured | predicted | error" for _, label in FIGURES) + " |"
+    lines = [head, "|---|" + "---:|---:|---:|" * len(FIGURES)]
+    for r in rows:
+        cells = []
+        for key, _ in FIGURES:
+            f = r[key]
+            err = f"{f['error']:+.1%}" if f["error"] is not None else "-"
+            cells += [f"{f['measured']:.3f}", f"{f['predicted']:.3f}", err]
+        lines.append(f"| {r['policy']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
