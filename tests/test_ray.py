@@ -298,3 +298,51 @@ async def test_vllm_actors_on_two_nodes_push_weights_and_recover_a_killed_actor(
         assert _logprob_gaps(samples + later, {0: original, 1: perturbed}) < 2e-3
     finally:
         await service.stop()
+
+
+@pytest.mark.vllm
+async def test_vllm_actors_join_a_collective_push_and_a_restarted_actor_comes_back_at_its_version(cluster):
+    """Engines behind Ray join the trainer's transfer group like local ones:
+    the bytes go from the trainer to the actors' vLLM workers (sent once),
+    the version is live on both, the samples are the pushed weights'; an
+    actor killed afterwards comes back serving that version."""
+    pytest.importorskip("vllm")
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import load_file
+
+    original = load_file(os.path.join(vllm_model(), "model.safetensors"))
+    g = torch.Generator().manual_seed(2)
+    perturbed = {k: v + 0.5 * v.std() * torch.randn(v.shape, generator=g) if v.ndim == 2 else v
+                 for k, v in original.items()}
+    cfg = ray_config(cluster, kind="vllm", num_engines=2, model=vllm_model(), max_model_len=1024, max_seqs=16)
+    service = RolloutService(cfg)
+    await service.start()
+    core = service.core
+    try:
+        async with RolloutClient(f"127.0.0.1:{service.grpc_port}", consumer_id=unique("vrayc")) as client:
+            reply = await client.push_weights_collective(perturbed, version=1, timeout_s=60, chunk_mb=4.0)
+            assert reply.applied_version == 1
+            assert reply.bytes_received == sum(t.numel() * t.element_size() for t in perturbed.values())
+            status = await client.status()
+            assert status.policy_version == 1 and all(e.policy_version == 1 for e in status.engines)
+            prompts = [[1, 40, 41, 42, 14], [1, 55, 20, 33, 14], [1, 60, 61, 12, 30], [1, 25, 26, 27, 28]]
+            prefix = unique("vc")
+            await client.submit([PromptGroup(prompt_token_ids=p, num_samples=4, max_tokens=24, temperature=1.0,
+                                             group_id=f"{prefix}-{i}") for i, p in enumerate(prompts)])
+            samples = await collect(client, prefix, 16, timeout=180)
+            victim = core.engines["vllm-1"]
+            pid, restarts = victim.actor_pid, victim.restarts
+            os.kill(pid, signal.SIGKILL)
+            await wait_until(lambda: victim.restarts == restarts + 1 and victim.load().state == "ready"
+                             and not core.is_restarting("vllm-1"), 180, "the killed actor to come back")
+            assert victim.load().policy_version == 1
+            after = unique("vc-after")
+            await client.submit([PromptGroup(prompt_token_ids=prompts[i % 4], num_samples=2, max_tokens=24,
+                                             temperature=1.0, group_id=f"{after}-{i}") for i in range(8)])
+            later = await collect(client, after, 16, timeout=180)
+        assert {e for s in samples for e in s.engines} == {"vllm-0", "vllm-1"}
+        assert any("vllm-1" in s.engines for s in later)
+        assert all(s.min_version == s.max_version == 1 for s in samples + later)
+        assert _logprob_gaps(samples + later, {1: perturbed}) < 2e-3
+    finally:
+        await service.stop()

@@ -191,6 +191,35 @@ class EngineHost:
             await self._speculation(engine_id).update_draft_weights(version, staged)
         return WeightsApplied(stage_s, time.perf_counter() - t0, self.incarnation[engine_id], engine.load())
 
+    # -- collective weight transfer: the actor's engine joins the trainer's
+    # group itself (its workers receive straight from the trainer's ranks);
+    # only the control calls travel through Ray.
+
+    async def transfer_ranks(self, engine_id: str) -> int:
+        return self.engines[engine_id].transfer_ranks()
+
+    async def init_weight_transfer(self, engine_id: str, init) -> None:
+        await self.engines[engine_id].init_weight_transfer(init)
+
+    async def receive_weights(self, engine_id: str, version: int, specs: list) -> None:
+        await self.engines[engine_id].receive_weights(version, specs)
+
+    async def finish_received_weights(self, engine_id: str, version: int) -> WeightsApplied:
+        t0 = time.perf_counter()
+        engine = self.engines[engine_id]
+        await engine.finish_received_weights(version)
+        return WeightsApplied(0.0, time.perf_counter() - t0, self.incarnation[engine_id], engine.load())
+
+    async def abandon_received_weights(self, engine_id: str, version: int, payload: list | None) -> None:
+        """Put the serving weights (`payload`, resolved by Ray; None: the
+        model's own files) back after a failed receive."""
+        fallback = (await self._stage("policy", version, payload))[0] if payload is not None else None
+        del payload
+        await self.engines[engine_id].abandon_received_weights(fallback, version)
+
+    async def close_weight_transfer(self, engine_id: str) -> None:
+        await self.engines[engine_id].close_weight_transfer()
+
     def _speculation(self, engine_id: str):
         spec = self.engines[engine_id].speculation
         if spec is None:

@@ -213,6 +213,7 @@ class RayEngine:
         self._incarnation = 0
         self._load = dataclasses.replace(template.load(), state=EngineState.STARTING)
         self._rids: dict[str, int] = {}  # request id -> open stream id
+        self._ranks = 0  # receiving ranks of a collective transfer (the actor's engine says, at start)
         spec = template.speculation
         self.speculation: RaySpeculation | None = RaySpeculation(self, spec.monitor) if spec is not None else None
         host.engines[engine_id] = self
@@ -247,6 +248,12 @@ class RayEngine:
                 raise EngineError(f"engine {self.engine_id}: {type(exc).__name__}: {str(exc).splitlines()[0]}") from exc
             raise
         self._incarnation, self._load = incarnation, load
+        try:
+            self._ranks = int(await self.host.call("transfer_ranks", self.engine_id))
+        except EngineError as exc:
+            log.warning("engine %s cannot say its transfer ranks (%s): it stays out of collective pushes",
+                        self.engine_id, exc)
+            self._ranks = 0
         self._state = EngineState.READY
         if self.speculation is not None:
             await self.speculation.restore()
@@ -324,25 +331,36 @@ class RayEngine:
         self._snapshot(out.incarnation, out.load, None)
         self.last_update = out
 
-    # Engines behind Ray do not join a collective transfer group yet: a
-    # collective push is refused while the fleet has one (transfer_ranks 0).
+    # -- collective weight transfer -------------------------------------------------
+    # The engine in the actor joins the trainer's group itself: the tensors go
+    # from the trainer's ranks to its workers, never through Ray or this
+    # process; these calls are the control plane only.
+
     def transfer_ranks(self) -> int:
-        return 0
+        return self._ranks if self._state == EngineState.READY and self.host.alive else 0
 
     async def init_weight_transfer(self, init) -> None:
-        raise EngineError(f"engine {self.engine_id} runs behind Ray and cannot join a collective transfer group")
+        await self.host.call("init_weight_transfer", self.engine_id, init)
 
     async def receive_weights(self, version: int, specs: list) -> None:
-        raise EngineError(f"engine {self.engine_id} is not in a transfer group")
+        await self.host.call("receive_weights", self.engine_id, version, specs)
 
     async def finish_received_weights(self, version: int) -> None:
-        raise EngineError(f"engine {self.engine_id} is not in a transfer group")
+        out: WeightsApplied = await self.host.call("finish_received_weights", self.engine_id, version)
+        self._snapshot(out.incarnation, out.load, None)
+        self.last_update = out
 
-    async def abandon_received_weights(self, fallback, version: int) -> None:
-        return None
+    async def abandon_received_weights(self, fallback: StagedWeights | None, version: int) -> None:
+        ref = await self.host.fleet.weights_ref(fallback) if fallback is not None else None
+        await self.host.call("abandon_received_weights", self.engine_id, version, ref)
 
     async def close_weight_transfer(self) -> None:
-        return None
+        if not self.host.alive:
+            return
+        try:
+            await self.host.call("close_weight_transfer", self.engine_id)
+        except EngineError as exc:
+            log.debug("leaving the transfer group on %s: %s", self.engine_id, exc)
 
 
 class RaySpeculation(MonitoredSpeculation):

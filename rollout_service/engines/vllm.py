@@ -532,7 +532,9 @@ class VllmEngine:
         # Bounded: the group's own timeout fails a receive whose trainer died
         # or stalls; this bounds the engine's side of it too.
         timeout = self._transfer.timeout_s + self.update_timeout_s
-        await asyncio.wait_for(self._llm.pause_generation(mode="keep", clear_cache=True), self.update_timeout_s)
+        # The prefix cache is kept, as on the streamed path (`update_weights`):
+        # requests are salted with the version that computes their context.
+        await asyncio.wait_for(self._llm.pause_generation(mode="keep", clear_cache=False), self.update_timeout_s)
         await asyncio.wait_for(self._llm.start_weight_update(), self.update_timeout_s)
         self._update_open = True
         info = {"names": [s.name for s in specs], "dtype_names": [s.dtype for s in specs],
