@@ -345,3 +345,40 @@ def test_the_prefix_cache_partition_of_a_turn_after_a_push_follows_the_carry_ove
         return got
 
     assert run_virtual(main()) == f"v{salt}"
+
+
+@pytest.mark.parametrize("affinity", [True, False])
+def test_a_session_key_sends_a_harness_s_next_call_to_its_engine(affinity):
+    """A harness that drives its own turns (one single-turn call per turn,
+    e.g. through the OpenAI-compatible side server) names its session
+    (`metadata["session_id"]`): each call goes to the engine its last one
+    ran on, even when least-assigned placement would pick the other engine
+    (a long filler request runs on it). Without affinity the calls follow
+    the placement and move."""
+    async def main():
+        core = RolloutCore(_engines(2), make_placement("least-assigned"), Clock(), affinity=affinity)
+        await core.start()
+        stream = core.delivery.stream("c")
+        engines, fillers = [], []
+        for turn in range(4):
+            gid = f"call{turn}"
+            core.submit([GroupSpec(gid, [5, 6, 7] * (turn + 1), 1, SamplingParams(max_tokens=50),
+                                   metadata={"session_id": "harness-1", "sim.target_lengths": "5"})])
+            entry = await stream.__anext__()
+            assert entry.sample.group_id == gid
+            engines.append(entry.sample.engines[0])
+            # A long request (no key) now occupies the session's engine,
+            # which makes it the busier one for the next call's placement.
+            core.submit([GroupSpec(f"filler{turn}", [9, 9], 1, SamplingParams(max_tokens=100_000),
+                                   metadata={"sim.target_lengths": "100000"})])
+            await asyncio.sleep(0.05)
+            fillers += [r.engine_id for r, _ in core.running.values() if r.group.group_id == f"filler{turn}"]
+        moves = core.counters["session_moves"]
+        await core.stop()
+        return engines, fillers, moves
+
+    engines, fillers, moves = run_virtual(main())
+    if affinity:
+        assert len(set(engines)) == 1 and moves == 0
+    else:
+        assert len(set(engines)) == 2  # least-assigned sends a call away from the filler's engine

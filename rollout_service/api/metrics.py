@@ -43,6 +43,7 @@ COUNTER_HELP = {
     "observation_tokens": "Tokens of the observations appended to trajectories.",
     "observations_too_long": "Environment observations that did not fit their trajectory (it ended at its length limit).",
     "trajectory_moves": "Trajectory turns placed on another engine than the one holding their prefix.",
+    "session_moves": "Requests with a session key placed on another engine than the session's last one.",
     "environment_errors": "Environment calls that failed (the trajectory ends, aborted).",
 }
 HISTOGRAM_HELP = {

@@ -31,6 +31,7 @@ from rollout_service.api.validation import MAX_STOP_STRINGS, MAX_TEMPERATURE, Mo
 from rollout_service.core.rollout import CoreError, RolloutCore
 from rollout_service.engines.types import FinishReason, SamplingParams
 from rollout_service.lifecycle.types import DeltaEvent, GroupSpec, Sample, SampleEvent
+from rollout_service.scheduling.affinity import SESSION_KEY
 
 # FinishReason -> OpenAI's finish_reason.
 FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORTED: "abort"}
@@ -390,7 +391,7 @@ class OpenAIFrontEnd:
             session = self.session_id(request, body)
             if session is not None:
                 for spec, _ in specs:
-                    spec.metadata["session_id"] = session
+                    spec.metadata[SESSION_KEY] = session
         except BadRequest as exc:
             return error_response(400, str(exc), exc.param)
         groups = []

@@ -50,7 +50,7 @@ from rollout_service.lifecycle.types import (
 )
 from rollout_service.partial.carry_over import CarryOverConfig
 from rollout_service.scheduling.length_predictor import LengthPredictor
-from rollout_service.scheduling.affinity import place_affine
+from rollout_service.scheduling.affinity import Sessions, place_affine
 from rollout_service.scheduling.placement import LoadView, Placement
 from rollout_service.scheduling.rebalancer import Move, RebalanceConfig
 
@@ -98,6 +98,7 @@ class RolloutCore:
     ) -> None:
         self.placement = placement
         self.affinity = affinity  # a trajectory's next turn goes to the engine holding its prefix
+        self.sessions = Sessions()  # ... and so does a harness's next call with the same session key
         self.clock = clock or Clock()
         self.limits = limits or CoreLimits()
         self.detokenizer = detokenizer
@@ -273,8 +274,9 @@ class RolloutCore:
                 out.append((spec.group_id, False))
                 continue
             group = Group(spec, submitted_at=now)
+            session_engine = self.sessions.engine_for(spec.metadata) if self.affinity else None
             for i in range(spec.num_samples):
-                req = Request(f"{spec.group_id}/{i}", group, i, queued_at=now)
+                req = Request(f"{spec.group_id}/{i}", group, i, queued_at=now, affinity=session_engine)
                 group.requests.append(req)
                 self.queue.append(req)
             self.groups[spec.group_id] = group
@@ -336,6 +338,11 @@ class RolloutCore:
         req.segment_version = self.policy_version
         req.attempt += 1
         warm = self.trajectories.starting(req, engine.engine_id)
+        if req.group.spec.multi_turn is None:
+            if req.affinity is not None and req.affinity != engine.engine_id:
+                self.counters["session_moves"] += 1
+            req.affinity = None
+            self.sessions.started(req.group.spec.metadata, engine.engine_id)
         if not (warm and self.carry_over.mode == "continue"):
             # Its context is computed now, by the serving weights: their
             # prefix-cache partition. Under `continue`, a trajectory's next

@@ -11,10 +11,16 @@ down, it stays in the queue for the configured placement, which may put it
 on any engine: the move costs a re-prefill of its whole context, paid
 rather than leaving the trajectory waiting while capacity is free (counted
 as `trajectory_moves`).
+
+A harness that drives its own turns (one completion per call, e.g. through
+the OpenAI-compatible side server) names its session with a key
+(`GroupSpec.metadata["session_id"]`): `Sessions` remembers the engine each
+key's last request started on, and the next request with that key gets it
+as its `affinity`.
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Mapping, Sequence
 
 from rollout_service.engines.types import EngineLoad
@@ -46,3 +52,34 @@ def place_affine(queue: deque[Request], loads: Sequence[EngineLoad],
         queue.clear()
         queue.extend(rest)
     return out
+
+
+#: The group metadata key a harness's session travels under (the side
+#: server's `X-Session-Id` header or `user` field).
+SESSION_KEY = "session_id"
+
+
+class Sessions:
+    """The engine each session key's last request started on; the least
+    recently used keys are forgotten beyond `capacity`."""
+
+    def __init__(self, capacity: int = 100_000) -> None:
+        self.capacity = capacity
+        self._engine: OrderedDict[str, str] = OrderedDict()
+
+    def engine_for(self, metadata: Mapping[str, str]) -> str | None:
+        """The engine holding this session's prefix (None: no key, or unknown)."""
+        key = metadata.get(SESSION_KEY)
+        return self._engine.get(key) if key else None
+
+    def started(self, metadata: Mapping[str, str], engine_id: str) -> None:
+        key = metadata.get(SESSION_KEY)
+        if not key:
+            return
+        self._engine[key] = engine_id
+        self._engine.move_to_end(key)
+        while len(self._engine) > self.capacity:
+            self._engine.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._engine)
