@@ -149,7 +149,7 @@ def plot(out: dict, path: Path) -> None:
     axes[0].set_ylabel("tokens/s in the tail (<= 4 sequences per engine)")
     axes[1].bar(names, [out["routes"][n]["makespan_s"] for n in names], color="tab:orange")
     axes[1].set_ylabel("step makespan (s)")
-    fig.suptitle("tiny-reasoner steps on 2 vLLM CPU engines")
+    fig.suptitle(f"tiny-reasoner steps on {out.get('engines', 2)} vLLM CPU engines, target {out.get('model', 'tiny-reasoner')}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -179,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         args.steps, args.warmup_steps, args.groups, args.samples = 2, 1, min(args.groups, 8), min(args.samples, 4)
     workload = generate(args.steps, args.groups, seed=args.seed, samples_per_group=args.samples)
     out = {"command": "python -m load_tests.spec_tail " + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
+           "model": Path(args.model).name if args.model else "tiny-reasoner",
            "engines": args.engines, "max_seqs": args.max_seqs, "steps": args.steps, "groups": args.groups,
            "samples": args.samples, "warmup_steps": args.warmup_steps, "max_tokens": workload.max_tokens, "tail_schedule": TAIL, "tune": args.tune,
            "routes": {}}
