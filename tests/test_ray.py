@@ -240,16 +240,21 @@ def _logprob_gaps(samples, weights_by_version) -> float:
     return worst
 
 
-@pytest.mark.vllm
-async def test_vllm_actors_on_two_nodes_push_weights_and_recover_a_killed_actor(cluster):
+def _original_and_perturbed(seed: int):
+    """The bundled model's weights, and a copy with every matrix perturbed."""
     pytest.importorskip("vllm")
     torch = pytest.importorskip("torch")
     from safetensors.torch import load_file
 
     original = load_file(os.path.join(vllm_model(), "model.safetensors"))
-    g = torch.Generator().manual_seed(1)
-    perturbed = {k: v + 0.5 * v.std() * torch.randn(v.shape, generator=g) if v.ndim == 2 else v
-                 for k, v in original.items()}
+    g = torch.Generator().manual_seed(seed)
+    return original, {k: v + 0.5 * v.std() * torch.randn(v.shape, generator=g) if v.ndim == 2 else v
+                      for k, v in original.items()}
+
+
+@pytest.mark.vllm
+async def test_vllm_actors_on_two_nodes_push_weights_and_recover_a_killed_actor(cluster):
+    original, perturbed = _original_and_perturbed(seed=1)
     cfg = ray_config(cluster, kind="vllm", num_engines=2, model=vllm_model(), max_model_len=1024, max_seqs=32)
     # Paused and resumed across the push: every token's context is computed
     # by the weights its tag names, so the recomputation below is exact.
@@ -306,14 +311,7 @@ async def test_vllm_actors_join_a_collective_push_and_a_restarted_actor_comes_ba
     the bytes go from the trainer to the actors' vLLM workers (sent once),
     the version is live on both, the samples are the pushed weights'; an
     actor killed afterwards comes back serving that version."""
-    pytest.importorskip("vllm")
-    torch = pytest.importorskip("torch")
-    from safetensors.torch import load_file
-
-    original = load_file(os.path.join(vllm_model(), "model.safetensors"))
-    g = torch.Generator().manual_seed(2)
-    perturbed = {k: v + 0.5 * v.std() * torch.randn(v.shape, generator=g) if v.ndim == 2 else v
-                 for k, v in original.items()}
+    _, perturbed = _original_and_perturbed(seed=2)
     cfg = ray_config(cluster, kind="vllm", num_engines=2, model=vllm_model(), max_model_len=1024, max_seqs=16)
     service = RolloutService(cfg)
     await service.start()
