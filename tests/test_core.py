@@ -100,6 +100,33 @@ def test_virtual_time_simulates_hours_of_fleet_time_in_seconds():
     assert wall < fleet_s / 50, (wall, fleet_s)  # ...in a small fraction of it
 
 
+def test_work_in_another_thread_takes_no_virtual_time():
+    """A core step handed to a thread (`asyncio.to_thread`, e.g. freeing a
+    superseded push's file) must not let the virtual clock jump to the next
+    timer while the thread works: otherwise a run's virtual times, and the
+    figures of a simulated benchmark, depend on how busy the machine is."""
+    async def main():
+        loop = asyncio.get_running_loop()
+
+        async def ticker():  # timers are pending throughout, as in a fleet
+            while True:
+                await asyncio.sleep(1.0)
+
+        tick = asyncio.create_task(ticker())
+        await asyncio.sleep(0)
+        t0 = loop.time()
+        await asyncio.to_thread(time.sleep, 0.3)  # real seconds of work
+        elapsed = loop.time() - t0
+        await asyncio.sleep(2.5)
+        after = loop.time() - t0
+        tick.cancel()
+        return elapsed, after
+
+    elapsed, after = run_virtual(main())
+    assert elapsed == 0.0
+    assert after == 2.5  # timers still run in virtual time
+
+
 def test_version_tags_run_length_encode_and_truncate():
     tags = VersionTags()
     tags.extend([3, 3, 3, 4, 4, 5])

@@ -32,6 +32,15 @@ class Clock:
         return self._loop_time()
 
 
+#: Work handed to another thread (`asyncio.to_thread`) takes no virtual
+#: time: the loop waits for it for real, polling this often, before it
+#: jumps its clock to the next timer...
+_THREAD_POLL_S = 0.05
+#: ... for at most this long per job (a thread that itself waits for one of
+#: the loop's timers must not stop virtual time forever).
+_THREAD_GRACE_S = 30.0
+
+
 class _VirtualSelector(selectors.DefaultSelector):
     """Polls for real I/O without blocking; advances virtual time instead of sleeping."""
 
@@ -46,8 +55,13 @@ class _VirtualSelector(selectors.DefaultSelector):
         if timeout is None:
             # Nothing scheduled: only another thread can wake us (to_thread).
             return super().select(None)
+        loop = self._vloop
+        if loop._in_executor and time.monotonic() < loop._executor_deadline:
+            # A thread is working: jumping the clock now would charge the
+            # next timer's wait to it, as long as the machine takes.
+            return super().select(_THREAD_POLL_S)
         if timeout > 0:
-            self._vloop._vtime += timeout
+            loop._vtime += timeout
         return []
 
 
@@ -56,7 +70,19 @@ class VirtualTimeEventLoop(asyncio.SelectorEventLoop):
 
     def __init__(self) -> None:
         self._vtime = 0.0
+        self._in_executor = 0  # jobs running in other threads (run_in_executor, to_thread)
+        self._executor_deadline = 0.0  # real time until which the clock waits for them
         super().__init__(_VirtualSelector(self))
+
+    def run_in_executor(self, executor, func, *args):
+        fut = super().run_in_executor(executor, func, *args)
+        self._in_executor += 1
+        self._executor_deadline = time.monotonic() + _THREAD_GRACE_S
+        fut.add_done_callback(self._executor_done)
+        return fut
+
+    def _executor_done(self, _fut) -> None:
+        self._in_executor -= 1
 
     def time(self) -> float:
         return self._vtime
