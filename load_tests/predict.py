@@ -24,14 +24,11 @@ import json
 from pathlib import Path
 
 from load_tests.policies import parse_policy
+from load_tests.report import measured_dir
 from load_tests.runner import RunConfig, run_policy
 from load_tests.workloads import polytrace
 
 FIGURES = [("makespan_s", "makespan s"), ("step_time_s", "RL step s"), ("groups_per_s_with_trainer", "loop groups/s")]
-
-
-def measured_dir(report_dir: Path, policy: str) -> Path:
-    return report_dir / "measured" / policy.replace("+", "_")
 
 
 def predict(report_dir: Path, sim: dict, progress: bool = False) -> list[dict]:

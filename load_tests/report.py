@@ -48,13 +48,17 @@ def write_json(out: Path, config: dict, workload: Workload, results: list[RunRes
     return path
 
 
+def measured_dir(out: Path, policy: str) -> Path:
+    """Where a real-time run keeps what `policy`'s engines generated."""
+    return out / "measured" / policy.replace("+", "_")
+
+
 def write_measured(out: Path, results: list[RunResult]) -> Path:
     """For runs in real time: what each policy's engines generated, as
     PolyTrace-format traces (`DIR/measured/<policy>/packed_lengths_step_K.jsonl`)
     that `python -m load_tests predict` replays on simulated engines."""
-    base = out / "measured"
     for r in results:
-        d = base / r.policy.replace("+", "_")
+        d = measured_dir(out, r.policy)
         d.mkdir(parents=True, exist_ok=True)
         for old in d.glob("packed_lengths_step_*.jsonl"):
             old.unlink()
@@ -62,7 +66,7 @@ def write_measured(out: Path, results: list[RunResult]) -> Path:
             lines = [json.dumps({"step": step, "input": prompt, "output": lengths, "n_sampling": len(lengths)})
                      for prompt, lengths in groups]
             (d / f"packed_lengths_step_{step}.jsonl").write_text("\n".join(lines) + "\n")
-    return base
+    return out / "measured"
 
 
 def table(results: list[RunResult]) -> str:

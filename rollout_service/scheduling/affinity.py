@@ -80,6 +80,3 @@ class Sessions:
         self._engine.move_to_end(key)
         while len(self._engine) > self.capacity:
             self._engine.popitem(last=False)
-
-    def __len__(self) -> int:
-        return len(self._engine)
