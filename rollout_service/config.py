@@ -55,6 +55,12 @@ class EngineConfig:
     # "local": engines run under this process; "ray": each engine runs in a
     # Ray actor placed across the cluster's nodes ([engine.ray]).
     placement_backend: str = "local"
+    # How a vLLM CPU (gloo) engine receives a collective push: "staged" on a
+    # worker thread while it generates, pausing only to load the weights (a
+    # second copy of them per engine during the push); "direct" into the
+    # model as the bytes arrive (no second copy; generation waits for the
+    # transfer). GPU (nccl) engines always receive directly.
+    collective_receive: str = "staged"
     ray: RayConfig = field(default_factory=RayConfig)
 
     def __post_init__(self) -> None:

@@ -91,6 +91,8 @@ def make_engines(cfg: EngineConfig, info: ModelInfo) -> list[Engine]:
         raise ValueError(f"engine.num_engines must be >= 1, got {cfg.num_engines}")
     if cfg.placement_backend not in ("local", "ray"):
         raise ValueError(f"engine.placement_backend must be 'local' or 'ray', got {cfg.placement_backend!r}")
+    if cfg.collective_receive not in ("staged", "direct"):
+        raise ValueError(f"engine.collective_receive must be 'staged' or 'direct', got {cfg.collective_receive!r}")
     factories = engine_factories(cfg, info)
     if cfg.placement_backend == "ray":
         from rollout_service.engines.ray_fleet import make_ray_engines
@@ -126,6 +128,7 @@ def engine_factories(cfg: EngineConfig, info: ModelInfo) -> list[tuple[str, "fun
                 seed=i,
                 vllm_args=cfg.vllm_args,
                 spec=cfg.spec,
+                collective_receive=cfg.collective_receive,
             ))
             for i in range(cfg.num_engines)
         ]

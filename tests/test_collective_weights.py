@@ -167,6 +167,48 @@ async def test_trainer_stalling_mid_transfer_leaves_the_previous_version(service
     assert reply.applied_version == before + 1
 
 
+@pytest.mark.parametrize("receive", ["staged", "direct"])
+async def test_generation_goes_on_while_a_staged_collective_push_is_received(service, client, receive):
+    """A trainer that sends slowly (it stalls half-way for a few seconds):
+    with `collective_receive = "staged"` (the default) the engines go on
+    generating with the serving version while they receive, and pause only
+    to load the weights; `"direct"` loads as the bytes arrive and so stops
+    generation for the whole transfer."""
+    core = service.core
+    for engine in core.engines.values():
+        engine.collective_receive = receive
+    try:
+        before = (await client.status()).policy_version
+        w = _weights()
+        stall = _Stalling(_perturbed(w), after=len(w) // 2)
+        prefix = unique(f"gen-{receive}")
+        n = 32
+        await client.submit([PromptGroup(prompt_token_ids=PROMPTS[i % 4], num_samples=2, max_tokens=200,
+                                         temperature=1.0, group_id=f"{prefix}-{i}") for i in range(n)])
+        deadline = time.time() + 60
+        while len(core.running) < 8:
+            assert time.time() < deadline, "the groups did not start"
+            await asyncio.sleep(0.05)
+        push = asyncio.ensure_future(_push(client, stall, before + 1))
+        await asyncio.sleep(1.5)  # half the tensors sent; the trainer stalls
+        tokens0, running0 = core.counters["tokens_generated"], len(core.running)
+        await asyncio.sleep(2.0)
+        generated = core.counters["tokens_generated"] - tokens0
+        assert not push.done() and (await client.status()).policy_version == before
+        stall.release.set()
+        assert (await push).applied_version == before + 1
+        samples = await collect(client, prefix, 2 * n, timeout=300)
+        assert len({s.sample_id for s in samples}) == 2 * n
+        assert running0 > 0
+        if receive == "staged":
+            assert generated > 20, f"{generated} tokens generated while the push was received"
+        else:
+            assert generated == 0, f"{generated} tokens generated while a direct receive held the engines"
+    finally:
+        for engine in core.engines.values():
+            engine.collective_receive = "staged"
+
+
 async def _greedy_tokens(client) -> list[list[int]]:
     prefix = unique("g")
     await client.submit([PromptGroup(prompt_token_ids=p, num_samples=1, max_tokens=16, temperature=0.0,

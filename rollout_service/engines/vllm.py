@@ -30,6 +30,7 @@ without it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import threading
@@ -55,6 +56,8 @@ from rollout_service.engines.vllm_speculation import VllmSpeculation, spec_count
 
 log = logging.getLogger(__name__)
 
+COLLECTIVE_RECEIVE = ("staged", "direct")  # how a gloo engine receives a collective push
+STAGED_POLL_S = 0.02  # how often a staged receive's progress is read
 _SPAWN_LOCK = threading.Lock()  # engines spawn one at a time (they share os.environ)
 
 
@@ -154,7 +157,11 @@ class VllmEngine:
         spec: SpecConfig | Mapping[str, object] | None = None,
         env: Mapping[str, str] | None = None,
         require_exact_sampler: bool = True,
+        collective_receive: str = "staged",
     ) -> None:
+        if collective_receive not in COLLECTIVE_RECEIVE:
+            raise ValueError(f"engine.collective_receive must be one of {', '.join(COLLECTIVE_RECEIVE)}, "
+                             f"got {collective_receive!r}")
         self.engine_id = engine_id
         self.model = model
         self.max_seqs = max_seqs
@@ -187,6 +194,11 @@ class VllmEngine:
         self._transfer: "TransferInit | None" = None  # the collective transfer group joined
         self._receiving = False  # a collective push holds the update lock
         self._update_open = False  # vLLM's weight update is open (start_weight_update called)
+        self._staged_open = False  # the workers hold (or are receiving) a staged collective push
+        # "staged": a collective (gloo) push is received on a worker thread
+        # while generating, a second copy of the weights held for the push;
+        # "direct": loaded as it arrives, generation paused for the transfer.
+        self.collective_receive = collective_receive
         self.restarts = 0
         self.update_timeout_s = 120.0  # bound on each step of a weight update
 
@@ -207,6 +219,7 @@ class VllmEngine:
         self._version = 0  # a fresh engine serves the model directory's weights
         self._prefix_queried = self._prefix_hits = 0  # a fresh engine core starts with an empty cache
         self._transfer = None  # a fresh engine is in no transfer group
+        self._staged_open = self._update_open = False
         if self._receiving:
             self._receiving = False
             self._update_lock.release()
@@ -519,6 +532,11 @@ class VllmEngine:
                                init.timeout_s + 30)
         self._transfer = init
 
+    def _stages_collective(self) -> bool:
+        """Whether a collective push is received on a worker thread while
+        generating (gloo engines; `collective_receive`), not in the step loop."""
+        return self.collective_receive == "staged" and self._transfer is not None and self._transfer.backend == "gloo"
+
     async def receive_weights(self, version: int, specs: list) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
@@ -528,25 +546,55 @@ class VllmEngine:
             raise EngineError(f"engine {self.engine_id} is not in a transfer group")
         await self._update_lock.acquire()
         self._receiving = True
-        self._state = EngineState.UPDATING
         # Bounded: the group's own timeout fails a receive whose trainer died
         # or stalls; this bounds the engine's side of it too.
         timeout = self._transfer.timeout_s + self.update_timeout_s
+        info = {"names": [s.name for s in specs], "dtype_names": [s.dtype for s in specs],
+                "shapes": [list(s.shape) for s in specs]}
+        if self._stages_collective():
+            await self._receive_staged(info, timeout)
+            return
+        self._state = EngineState.UPDATING
         # The prefix cache is kept, as on the streamed path (`update_weights`):
         # requests are salted with the version that computes their context.
         await asyncio.wait_for(self._llm.pause_generation(mode="keep", clear_cache=False), self.update_timeout_s)
         await asyncio.wait_for(self._llm.start_weight_update(), self.update_timeout_s)
         self._update_open = True
-        info = {"names": [s.name for s in specs], "dtype_names": [s.dtype for s in specs],
-                "shapes": [list(s.shape) for s in specs]}
         try:
             await asyncio.wait_for(self._llm.update_weights(WeightTransferUpdateRequest(update_info=info)), timeout)
         except BaseException:
             self._update_open = False  # the worker ends the update when a receive fails
             raise
 
+    async def _receive_staged(self, info: dict, timeout: float) -> None:
+        """The workers receive on a thread of their own into host tensors
+        while this engine goes on generating; returns once every worker has
+        the whole push (`finish_received_weights` loads it)."""
+        rpc = self._llm.collective_rpc
+        self._staged_open = True  # from here a failure leaves the model untouched
+        await asyncio.wait_for(rpc("rollout_begin_staged_receive", args=(info,)), self.update_timeout_s)
+        deadline = time.monotonic() + timeout
+        while True:
+            states = await asyncio.wait_for(rpc("rollout_staged_receive_state"), self.update_timeout_s)
+            failed = [err for done, _, err in states if done and err]
+            if failed:
+                raise EngineError(f"engine {self.engine_id} failed receiving the push: {failed[0]}")
+            if all(done for done, _, _ in states):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"engine {self.engine_id} did not receive the push within {timeout:g} s")
+            await asyncio.sleep(STAGED_POLL_S)
+
     async def finish_received_weights(self, version: int) -> None:
         try:
+            if self._staged_open:  # generation pauses only to load what was received
+                self._state = EngineState.UPDATING
+                await asyncio.wait_for(self._llm.pause_generation(mode="keep", clear_cache=False),
+                                       self.update_timeout_s)
+                await asyncio.wait_for(self._llm.start_weight_update(), self.update_timeout_s)
+                self._update_open = True
+                self._staged_open = False
+                await asyncio.wait_for(self._llm.collective_rpc("rollout_load_staged"), self.update_timeout_s)
             await asyncio.wait_for(self._llm.finish_weight_update(weight_version=str(version)), self.update_timeout_s)
             self._update_open = False
             self._version = version
@@ -560,6 +608,12 @@ class VllmEngine:
             if not self._alive():
                 return
             timeout = self.update_timeout_s
+            if self._staged_open:  # nothing was loaded: the model still holds the serving weights
+                self._staged_open = False
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self._llm.collective_rpc("rollout_drop_staged"), timeout)
+                await self.close_weight_transfer()
+                return
             if self._update_open:
                 self._update_open = False
                 await asyncio.wait_for(self._llm.finish_weight_update(), timeout)

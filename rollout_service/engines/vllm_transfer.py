@@ -11,14 +11,24 @@ retargets the same engine at the drafter.
 
 The bytes travel as `rollout_proto.collective` cuts them (chain mode by
 default: every receiver forwards to the next, so the trainer sends each byte
-once). Received tensors go straight into the model through vLLM's layerwise
-reload (`initialize_layerwise_reload` / `load_weights` /
-`finalize_layerwise_reload`, as the nccl engine does); no second copy of the
-model is held.
+once). Two ways to receive:
+
+- *direct* (the stock calls): received tensors go straight into the model
+  through vLLM's layerwise reload (`initialize_layerwise_reload` /
+  `load_weights` / `finalize_layerwise_reload`, as the nccl engine does);
+  no second copy of the model is held, but the engine core runs the
+  receive inside its step loop, so generation waits for the whole transfer;
+- *staged* (`begin_staged_receive` / `staged_receive_state` /
+  `load_staged`, through the worker extension): a thread of the worker
+  receives into host tensors while the engine goes on generating; only
+  loading them into the model (between `start_weight_update` and
+  `finish_weight_update`) pauses it. It holds a second copy of the weights
+  for the length of a push.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
@@ -61,6 +71,17 @@ def _tied_modules(model) -> list:
     return tied(model)
 
 
+@dataclass
+class StagedReceive:
+    """A receive running on a worker thread, and what it has received."""
+
+    thread: threading.Thread | None = None
+    tensors: list = field(default_factory=list)
+    received: int = 0
+    error: str = ""
+    done: bool = False
+
+
 class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo]):
     init_info_cls = GlooWeightTransferInitInfo
     update_info_cls = GlooWeightTransferUpdateInfo
@@ -70,6 +91,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         self.group = None
         self.store = None
         self.info: GlooWeightTransferInitInfo | None = None
+        self.staged: StagedReceive | None = None
 
     def _rank(self) -> int:
         pc = self.parallel_config
@@ -91,17 +113,68 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         # The base class synchronizes an accelerator afterwards; a CPU has none.
         self.receive_weights(self.parse_update_info(update_info))
 
-    def receive_weights(self, update_info: GlooWeightTransferUpdateInfo) -> None:
+    def _receive(self, update_info: GlooWeightTransferUpdateInfo, on_tensors) -> int:
         if self.group is None:
             raise RuntimeError("gloo weight transfer not initialized: call init_weight_transfer_engine first")
-        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
-
         specs = [collective.Spec(n, d, tuple(int(x) for x in s))
                  for n, d, s in zip(update_info.names, update_info.dtype_names, update_info.shapes)]
         info = self.info
+        return collective.receive(self.group, self._rank(), info.world_size, specs, info.chunk_bytes,
+                                  on_tensors, mode=info.mode, timeout_s=info.timeout_s)
+
+    def receive_weights(self, update_info: GlooWeightTransferUpdateInfo) -> None:
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+
         with disable_mtp_completeness_check():
-            collective.receive(self.group, self._rank(), info.world_size, specs, info.chunk_bytes,
-                               self.model.load_weights, mode=info.mode, timeout_s=info.timeout_s)
+            self._receive(update_info, self.model.load_weights)
+
+    # -- staged: receive on a thread while the engine generates ---------------------
+
+    def begin_staged_receive(self, update_info: dict) -> None:
+        """Start receiving a push into host tensors on a thread; returns at once."""
+        if self.staged is not None and not self.staged.done:
+            raise RuntimeError("a staged receive is already running")
+        parsed = self.parse_update_info(update_info)
+        staged = self.staged = StagedReceive()
+
+        def run() -> None:
+            try:
+                staged.received = self._receive(parsed, staged.tensors.extend)
+            except BaseException as exc:  # reported by staged_receive_state
+                staged.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                staged.tensors.clear()
+            finally:
+                staged.done = True
+
+        staged.thread = threading.Thread(target=run, name="rollout-staged-receive", daemon=True)
+        staged.thread.start()
+
+    def staged_receive_state(self) -> tuple[bool, int, str]:
+        """(done, bytes received once done, the error if it failed)."""
+        staged = self.staged
+        if staged is None:
+            return True, 0, "no staged receive"
+        return staged.done, staged.received, staged.error
+
+    def load_staged(self) -> int:
+        """Load a complete staged receive into the update target (between
+        `start_weight_update` and `finish_weight_update`); returns the
+        tensor count and frees the staged copy."""
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+
+        staged, self.staged = self.staged, None
+        if staged is None or not staged.done or staged.error:
+            why = "none" if staged is None else staged.error or "still receiving"
+            raise RuntimeError(f"no complete staged receive to load ({why})")
+        tensors, staged.tensors = staged.tensors, []
+        with disable_mtp_completeness_check():
+            self.model.load_weights(iter(tensors))
+        return len(tensors)
+
+    def drop_staged(self) -> None:
+        """Forget a staged receive (a failed push): the model is untouched.
+        A receive still running ends with the group (`shutdown`) or its timeout."""
+        self.staged = None
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
@@ -117,4 +190,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
     def shutdown(self) -> None:
         group, self.group, self.store = self.group, None, None
         collective.abort_group(group)
+        staged = self.staged
+        if staged is not None and staged.thread is not None and staged.thread is not threading.current_thread():
+            staged.thread.join(5.0)  # the aborted group ends its receive
 

@@ -79,6 +79,26 @@ class RolloutWorkerExtension:
                 method.process_weights_after_loading(module)
         return len(items)
 
+    # -- staged collective receive (vllm_transfer.GlooWeightTransferEngine) --------
+
+    def _gloo_transfer(self):
+        engine = getattr(self, "weight_transfer_engine", None)
+        if engine is None or not hasattr(engine, "begin_staged_receive"):
+            raise RuntimeError("this engine's weight-transfer backend cannot receive staged (gloo only)")
+        return engine
+
+    def rollout_begin_staged_receive(self, update_info: dict) -> None:
+        self._gloo_transfer().begin_staged_receive(update_info)
+
+    def rollout_staged_receive_state(self) -> tuple[bool, int, str]:
+        return self._gloo_transfer().staged_receive_state()
+
+    def rollout_load_staged(self) -> int:
+        return self._gloo_transfer().load_staged()
+
+    def rollout_drop_staged(self) -> None:
+        self._gloo_transfer().drop_staged()
+
     def rollout_attach_sibling_drafter(self) -> bool:
         """Give the sibling proposer (`vllm_siblings`) the model runner; True
         if this engine drafts from siblings."""
