@@ -9,7 +9,9 @@ client and service in one process. The second (`--matrix`, on by default)
 pushes a 1 GiB float32 state dict to 2 simulated engines in a service of its
 own process (as a trainer and the service run), end to end (the client's
 call until the version is live on both engines), for each checksum
-algorithm and chunk size side by side, plus the same-host file path. With
+algorithm and chunk size side by side, plus the same-host file path and,
+as the ceiling, a bare grpc.aio stream of the same bytes in pre-built
+messages to a process that only counts them ("raw": gRPC's own cost). With
 `--stall`, a request generates throughout on those engines: "stall ms" is the
 longest gap between its token deltas across a cell's pushes ("token gap ms":
 the usual gap), i.e. how long generation waited on the push.
@@ -140,6 +142,79 @@ def _serve(conn, max_message_mb: int, stall: bool = False) -> None:
     asyncio.run(run())
 
 
+def _raw_sink(conn) -> None:
+    """A bare grpc.aio server whose one method counts the bytes of a stream
+    of raw messages (no protobuf, no checksums, no staging): what gRPC
+    itself costs, the ceiling of a push over gRPC on this host."""
+    import grpc
+
+    async def run() -> None:
+        async def sink(messages, context) -> bytes:
+            n = 0
+            async for m in messages:
+                n += len(m)
+            return str(n).encode()
+
+        handler = grpc.method_handlers_generic_handler(
+            "bench.Sink", {"Push": grpc.stream_unary_rpc_method_handler(sink)})
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+        server.add_generic_rpc_handlers((handler,))
+        conn.send(server.add_insecure_port("127.0.0.1:0"))
+        await server.start()
+        loop = asyncio.get_running_loop()
+        while (cmd := await loop.run_in_executor(None, conn.recv)) != "stop":
+            conn.send(time.process_time())
+        await server.stop(None)
+
+    asyncio.run(run())
+
+
+async def _raw_grpc(nbytes: int, chunk_mbs: list[float], repeats: int) -> list[dict]:
+    """The reference rows: `nbytes` as pre-built messages of each chunk size
+    over a bare grpc.aio stream to a process that only counts them."""
+    import grpc
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_raw_sink, args=(child,), daemon=True)
+    proc.start()
+    loop = asyncio.get_running_loop()
+
+    async def server_cpu() -> float:
+        parent.send("cpu")
+        return await loop.run_in_executor(None, parent.recv)
+
+    rows = []
+    try:
+        port = await loop.run_in_executor(None, parent.recv)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}",
+                                             options=[("grpc.max_send_message_length", 64 << 20)]) as channel:
+            push = channel.stream_unary("/bench.Sink/Push")
+            for chunk_mb in chunk_mbs:
+                size = int(chunk_mb * 1024 * 1024)
+                payload = os.urandom(size)
+                count = -(-nbytes // size)
+
+                async def messages():
+                    for _ in range(count):
+                        yield payload
+
+                times, cpu = [], []
+                for _ in range(repeats):
+                    c0, s0 = time.process_time(), await server_cpu()
+                    t = time.perf_counter()
+                    assert int(await push(messages())) == count * size
+                    times.append(time.perf_counter() - t)
+                    cpu.append((time.process_time() - c0, await server_cpu() - s0))
+                rows.append(dict(_row("raw", "none", chunk_mb, count * size, times, cpu), engines=0))
+    finally:
+        parent.send("stop")
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+    return rows
+
+
 def _gib_state_dict(gib: float) -> dict[str, np.ndarray]:
     """float32 tensors of 4096 x 4096 (64 MiB) and 4096 x 1024 adding up to `gib` GiB."""
     rng = np.random.default_rng(1)
@@ -268,13 +343,14 @@ def main() -> None:
     algos = tuple(False if c == "none" else c for c in args.checksums.split(","))
     digests = ("header", "trailer") if args.digests == "both" else tuple(args.digests.split(","))
     matrix = asyncio.run(_matrix(args.matrix_gib, chunk_mbs, args.repeats, algos, digests, args.stall))
+    matrix += asyncio.run(_raw_grpc(int(args.matrix_gib * 1024**3), chunk_mbs, args.repeats))
     load_after = os.getloadavg()
     print(f"\n{args.matrix_gib:g} GiB float32 to 2 sim engines, service in its own process, end to end "
           f"(best / mean of {args.repeats}); load average {load_before[0]:.2f} before, {load_after[0]:.2f} after")
     print(f"{'path':>6}{'checksums':>11}{'digests':>9}{'chunk MiB':>11}{'best s':>9}{'GB/s':>7}{'mean s':>9}{'GB/s':>7}"
           f"{'client CPU s/GB':>17}{'server CPU s/GB':>17}{'token gap ms':>14}{'stall ms':>10}")
     for r in matrix:
-        chunk = f"{r['chunk_mb']:g}" if r["path"] == "grpc" else "-"
+        chunk = f"{r['chunk_mb']:g}" if r["path"] in ("grpc", "raw") else "-"
         print(f"{r['path']:>6}{r['checksums']:>11}{r['digests']:>9}{chunk:>11}{r['best_s']:>9.3f}{r['best_gb_per_s']:>7.2f}"
               f"{r['mean_s']:>9.3f}{r['mean_gb_per_s']:>7.2f}{r['client_cpu_s_per_gb']:>17.2f}"
               f"{r['server_cpu_s_per_gb']:>17.2f}{r['token_gap_median_ms']:>14.1f}{r['token_gap_max_ms']:>10.1f}")

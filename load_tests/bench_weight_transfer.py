@@ -8,10 +8,14 @@ For each model size and engine count a service runs in a process of its own
 own core(s). Per push: the time from the trainer's call to the version being
 live on every engine, the bytes the trainer sent, and the generation stall:
 the longest gap in token progress of requests running across the push (the
-inter-token gap without a push is printed next to it).
+inter-token gap without a push is printed next to it), and how long the
+engines were paused to apply the push ("paused s": the apply itself, from
+pausing generation to resuming it; the longest of the engines').
+`collective-direct` is the collective path with `engine.collective_receive =
+"direct"` (loaded as received, generation paused for the transfer).
 
     python -m load_tests.bench_weight_transfer [--sizes tiny,tail,size]
-        [--engines 1,2,4] [--paths grpc,file,collective] [--repeats 2]
+        [--engines 1,2,4] [--paths grpc,file,collective,collective-direct] [--repeats 2]
         [--models DIR] [--report DIR]
 
 Sizes: `tiny` is the bundled model (~1M parameters); `tail` (0.1B, 405 MB
@@ -34,7 +38,9 @@ import time
 from pathlib import Path
 
 SIZES = ("tiny", "tail", "size")
-PATHS = ("grpc", "file", "collective")
+# "collective-direct": the collective path with engine.collective_receive =
+# "direct" (loaded as received, generation paused for the transfer).
+PATHS = ("grpc", "file", "collective", "collective-direct")
 
 
 def model_dir(size: str, models: Path) -> str:
@@ -97,7 +103,11 @@ def _serve(conn, model: str, engines: int) -> None:
                 cmd = await loop.run_in_executor(None, conn.recv)
                 if cmd == "stop":
                     break
-                if cmd == "mark":  # start the probes
+                if isinstance(cmd, tuple) and cmd[0] == "receive":  # engine.collective_receive
+                    for engine in service.core.fleet.engines.values():
+                        engine.collective_receive = cmd[1]
+                    conn.send(None)
+                elif cmd == "mark":  # start the probes
                     for engine in service.core.fleet.engines.values():
                         n += 1
                         rid = f"probe-{n}"
@@ -115,7 +125,8 @@ def _serve(conn, model: str, engines: int) -> None:
                     probes.clear()
                     gaps = [b - a for ts in stamps.values() for a, b in zip(ts, ts[1:])]
                     stamps.clear()
-                    conn.send((max(gaps, default=0.0), statistics.median(gaps) if gaps else 0.0, 0.0))
+                    paused = max(getattr(e, "paused_s", 0.0) for e in service.core.fleet.engines.values())
+                    conn.send((max(gaps, default=0.0), statistics.median(gaps) if gaps else 0.0, paused))
         finally:
             await service.stop()
 
@@ -194,7 +205,8 @@ async def case(size: str, model: str, engines: int, paths: list[str], repeats: i
             await client.wait_ready(600)
             version = (await client.status()).policy_version
             for path in paths:
-                times, sent, stalls, steps = [], [], [], []
+                await ask(("receive", "direct" if path == "collective-direct" else "staged"))
+                times, sent, stalls, steps, pauses = [], [], [], [], []
                 for r in range(repeats + 1):  # the first push warms up (and forms the group)
                     for t in w.values():
                         if t.ndim == 2:
@@ -219,22 +231,23 @@ async def case(size: str, model: str, engines: int, paths: list[str], repeats: i
                     seconds = time.perf_counter() - t
                     assert reply.applied_version == version
                     await asyncio.sleep(0.5)
-                    stall, step, _ = await ask("gaps")
+                    stall, step, paused = await ask("gaps")
                     if r:
                         times.append(seconds)
                         sent.append(bytes_sent)
                         stalls.append(stall)
                         steps.append(step)
+                        pauses.append(paused)
                 rows.append({"size": size, "engines": engines, "path": path, "bytes": nbytes,
                              "seconds": statistics.median(times), "gb_per_s": nbytes / statistics.median(times) / 1e9,
                              "trainer_bytes_sent": int(statistics.median(sent)), "stall_s": max(stalls),
-                             "step_s": statistics.median(steps), "repeats": repeats})
+                             "step_s": statistics.median(steps), "paused_s": max(pauses), "repeats": repeats})
                 print(_fmt(rows[-1]), flush=True)
             await client.close_collective()
         ref = raw_broadcast_s(nbytes, engines, int(chunk_mb * 1024 * 1024))
         rows.append({"size": size, "engines": engines, "path": "raw gloo broadcast", "bytes": nbytes, "seconds": ref,
                      "gb_per_s": nbytes / ref / 1e9, "trainer_bytes_sent": nbytes * engines, "stall_s": None,
-                     "step_s": None, "repeats": 1})
+                     "step_s": None, "paused_s": None, "repeats": 1})
         print(_fmt(rows[-1]), flush=True)
     finally:
         if proc.is_alive():
@@ -246,14 +259,15 @@ async def case(size: str, model: str, engines: int, paths: list[str], repeats: i
 
 
 HEADER = (f"{'size':>5} {'eng':>3} {'path':>19} {'MB':>8} {'s to live':>9} {'GB/s':>6} {'trainer MB':>10} "
-          f"{'stall s':>8} {'step s':>7}")
+          f"{'stall s':>8} {'paused s':>8} {'step s':>7}")
 
 
 def _fmt(r: dict) -> str:
     stall = f"{r['stall_s']:8.3f}" if r["stall_s"] is not None else f"{'-':>8}"
     step = f"{r['step_s']:7.3f}" if r["step_s"] is not None else f"{'-':>7}"
+    paused = f"{r['paused_s']:8.3f}" if r.get("paused_s") is not None else f"{'-':>8}"
     return (f"{r['size']:>5} {r['engines']:>3} {r['path']:>19} {r['bytes'] / 1e6:8.1f} {r['seconds']:9.3f} "
-            f"{r['gb_per_s']:6.2f} {r['trainer_bytes_sent'] / 1e6:10.1f} {stall} {step}")
+            f"{r['gb_per_s']:6.2f} {r['trainer_bytes_sent'] / 1e6:10.1f} {stall} {paused} {step}")
 
 
 def main() -> None:

@@ -199,6 +199,8 @@ class VllmEngine:
         # while generating, a second copy of the weights held for the push;
         # "direct": loaded as it arrives, generation paused for the transfer.
         self.collective_receive = collective_receive
+        self.paused_s = 0.0  # how long generation was paused to apply the last weight push
+        self._paused_at = 0.0
         self.restarts = 0
         self.update_timeout_s = 120.0  # bound on each step of a weight update
 
@@ -493,6 +495,7 @@ class VllmEngine:
             # The prefix cache is kept: the core salts every request with the
             # policy version that computes its context (`cache_salt`), so KV
             # of the old weights is reused only where the carry-over mode says.
+            self._paused_at = time.monotonic()
             await asyncio.wait_for(self._llm.pause_generation(mode="keep", clear_cache=False), timeout)
             try:
                 await asyncio.wait_for(self._llm.collective_rpc("rollout_reload_weights", args=(path,)), timeout)
@@ -500,6 +503,7 @@ class VllmEngine:
                 self._version = version
             finally:
                 await asyncio.wait_for(self._llm.resume_generation(), timeout)
+                self.paused_s = time.monotonic() - self._paused_at
                 self._state = EngineState.READY
 
     # -- collective weight transfer (vLLM's weight-transfer API) -----------------
@@ -555,6 +559,7 @@ class VllmEngine:
             await self._receive_staged(info, timeout)
             return
         self._state = EngineState.UPDATING
+        self._paused_at = time.monotonic()
         # The prefix cache is kept, as on the streamed path (`update_weights`):
         # requests are salted with the version that computes their context.
         await asyncio.wait_for(self._llm.pause_generation(mode="keep", clear_cache=False), self.update_timeout_s)
@@ -589,6 +594,7 @@ class VllmEngine:
         try:
             if self._staged_open:  # generation pauses only to load what was received
                 self._state = EngineState.UPDATING
+                self._paused_at = time.monotonic()
                 await asyncio.wait_for(self._llm.pause_generation(mode="keep", clear_cache=False),
                                        self.update_timeout_s)
                 await asyncio.wait_for(self._llm.start_weight_update(), self.update_timeout_s)
@@ -638,6 +644,8 @@ class VllmEngine:
             if self._alive():
                 await asyncio.wait_for(self._llm.resume_generation(), self.update_timeout_s)
         finally:
+            if self._state == EngineState.UPDATING:
+                self.paused_s = time.monotonic() - self._paused_at
             if self._state == EngineState.UPDATING:
                 self._state = EngineState.READY
             if self._receiving:
