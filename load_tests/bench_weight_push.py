@@ -142,6 +142,14 @@ def _serve(conn, max_message_mb: int, stall: bool = False) -> None:
     asyncio.run(run())
 
 
+def _stop(parent, proc) -> None:
+    """Tell a server process to stop; kill it if it has not within 30 s."""
+    parent.send("stop")
+    proc.join(30)
+    if proc.is_alive():
+        proc.kill()
+
+
 def _raw_sink(conn) -> None:
     """A bare grpc.aio server whose one method counts the bytes of a stream
     of raw messages (no protobuf, no checksums, no staging): what gRPC
@@ -208,10 +216,7 @@ async def _raw_grpc(nbytes: int, chunk_mbs: list[float], repeats: int) -> list[d
                     cpu.append((time.process_time() - c0, await server_cpu() - s0))
                 rows.append(dict(_row("raw", "none", chunk_mb, count * size, times, cpu), engines=0))
     finally:
-        parent.send("stop")
-        proc.join(30)
-        if proc.is_alive():
-            proc.kill()
+        _stop(parent, proc)
     return rows
 
 
@@ -285,10 +290,7 @@ async def _matrix(gib: float, chunk_mbs: list[float], repeats: int,
                     assert reply.applied_version == version
             rows.append(_row("file", "none", 0, nbytes, times, cpu, gaps=await token_gaps(windows)))
     finally:
-        parent.send("stop")
-        proc.join(30)
-        if proc.is_alive():
-            proc.kill()
+        _stop(parent, proc)
     return rows
 
 

@@ -9,8 +9,8 @@ Each route gets a fresh fleet (2 engines, one core each, the bundled tiny
 reasoner) and runs the same tiny-reasoner GRPO steps: warm-up steps (their
 samples, 256 by default, train the adaptive drafter: one round pushed before
 the measured steps), then the measured steps. Speculation runs only in the tail: K=3
-while an engine runs at most 4 sequences, none above (`--tune` lets the
-depth tuner choose instead).
+(`--k`) while an engine runs at most 4 sequences (`--tail-seqs`), none above
+(`--tune` lets the depth tuner choose instead).
 
 Per step: makespan (submit to last sample), tokens/s over the step, and the
 tail: from the moment the fleet runs at most 4 sequences per engine to the
@@ -27,7 +27,12 @@ from pathlib import Path
 
 import numpy as np
 
-TAIL = [[1, 4, 3], [5, 1 << 16, 0]]
+TAIL = [[1, 4, 3], [5, 1 << 16, 0]]  # (batch from, batch to, K): the defaults of --tail-seqs and --k
+
+
+def tail_schedule(args) -> list[list[int]]:
+    """K = `--k` while an engine runs at most `--tail-seqs` sequences, 0 above."""
+    return [[1, args.tail_seqs, args.k], [args.tail_seqs + 1, 1 << 16, 0]]
 ROUTES = {
     "off": None,
     "frozen": {"method": "draft_model"},
@@ -93,7 +98,7 @@ async def run_route(name: str, args, workload) -> dict:
 
     spec = dict(ROUTES[name] or {"method": "off"})
     if spec["method"] != "off":
-        spec.update(num_speculative_tokens=3, schedule=TAIL, tune=args.tune)
+        spec.update(num_speculative_tokens=args.k, schedule=tail_schedule(args), tune=args.tune)
         if spec["method"] == "draft_model" and args.draft:
             spec["model"] = args.draft
         if spec.get("train"):
@@ -170,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--groups", type=int, default=16)
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--draft-steps", type=int, default=60, help="optimizer steps of the adaptive drafter's round")
+    p.add_argument("--k", type=int, default=TAIL[0][2], help="speculative depth in the tail")
+    p.add_argument("--tail-seqs", type=int, default=TAIL[0][1],
+                   help="the tail: an engine running at most this many sequences")
     p.add_argument("--tune", action="store_true", help="let the depth tuner choose K per batch size")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="2 steps of 8 groups x 4 samples")
@@ -181,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {"command": "python -m load_tests.spec_tail " + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
            "model": Path(args.model).name if args.model else "tiny-reasoner",
            "engines": args.engines, "max_seqs": args.max_seqs, "steps": args.steps, "groups": args.groups,
-           "samples": args.samples, "warmup_steps": args.warmup_steps, "max_tokens": workload.max_tokens, "tail_schedule": TAIL, "tune": args.tune,
+           "samples": args.samples, "warmup_steps": args.warmup_steps, "max_tokens": workload.max_tokens, "tail_schedule": tail_schedule(args), "tune": args.tune,
            "routes": {}}
     for name in [r.strip() for r in args.routes.split(",") if r.strip()]:
         out["routes"][name] = asyncio.run(run_route(name, args, workload))

@@ -646,7 +646,6 @@ class VllmEngine:
         finally:
             if self._state == EngineState.UPDATING:
                 self.paused_s = time.monotonic() - self._paused_at
-            if self._state == EngineState.UPDATING:
                 self._state = EngineState.READY
             if self._receiving:
                 self._receiving = False
