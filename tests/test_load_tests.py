@@ -336,3 +336,24 @@ def test_a_real_time_run_writes_what_was_generated_and_predict_replays_it(tmp_pa
         virtual = tmp_path / "virtual"
         main(["run", "--workload", "math", "--quick", "--report", str(virtual), "--no-plots", "--quiet"])
         main(["predict", str(virtual), "--cost-model", str(fit)])
+
+
+def test_predict_prices_a_verified_draft_token_as_one_more_sequence(tmp_path):
+    """`predict` charges speculation's verification by the calibrated cost
+    of a token in the batch (spec_verify_cost 1.0) unless told otherwise:
+    a run with speculation is predicted slower than with free verification,
+    and a run without speculation is predicted the same either way."""
+    out = tmp_path / "measured-run"
+    assert main(["run", "--workload", "math", "--engines", "2", "--clock", "real", "--length-scale", "0.05",
+                 "--steps", "2", "--groups-per-step", "4", "--policy", "static,least-assigned+spec-ngram",
+                 "--report", str(out), "--no-plots", "--quiet"]) == 0
+    fit = tmp_path / "fit.json"
+    fit.write_text(json.dumps({"sim_params": {"decode_base_s": 0.004, "decode_per_seq_s": 0.002}}))
+    rows = {}
+    for name, extra in (("priced", []), ("free", ["--sim", "spec_verify_cost=0"])):
+        assert main(["predict", str(out), "--cost-model", str(fit), "--out", str(tmp_path / f"{name}.json"),
+                     *extra]) == 0
+        rows[name] = {r["policy"]: r["makespan_s"]["predicted"] for r in json.loads((tmp_path / f"{name}.json").read_text())}
+    spec = next(p for p in rows["priced"] if "spec" in p)
+    assert rows["priced"][spec] > rows["free"][spec]
+    assert rows["priced"]["static"] == pytest.approx(rows["free"]["static"], rel=0.02)
