@@ -94,7 +94,10 @@ class RolloutWorkerExtension:
         return self._gloo_transfer().staged_receive_state()
 
     def rollout_load_staged(self) -> int:
-        return self._gloo_transfer().load_staged()
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(self.vllm_config):  # as the worker's own update_weights loads
+            return self._gloo_transfer().load_staged()
 
     def rollout_drop_staged(self) -> None:
         self._gloo_transfer().drop_staged()
