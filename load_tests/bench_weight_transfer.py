@@ -125,7 +125,7 @@ def _serve(conn, model: str, engines: int) -> None:
                     probes.clear()
                     gaps = [b - a for ts in stamps.values() for a, b in zip(ts, ts[1:])]
                     stamps.clear()
-                    paused = max(getattr(e, "paused_s", 0.0) for e in service.core.fleet.engines.values())
+                    paused = max(e.paused_s for e in service.core.fleet.engines.values())
                     conn.send((max(gaps, default=0.0), statistics.median(gaps) if gaps else 0.0, paused))
         finally:
             await service.stop()

@@ -25,6 +25,8 @@ from rollout_service.environments import check_environments
 from rollout_service.partial.carry_over import CarryOverConfig
 from rollout_service.scheduling.rebalancer import RebalanceConfig
 
+COLLECTIVE_RECEIVE = ("staged", "direct")  # engine.collective_receive: how a gloo engine receives a collective push
+
 
 @dataclass(slots=True)
 class RayConfig:
@@ -60,7 +62,7 @@ class EngineConfig:
     # second copy of them per engine during the push); "direct" into the
     # model as the bytes arrive (no second copy; generation waits for the
     # transfer). GPU (nccl) engines always receive directly.
-    collective_receive: str = "staged"
+    collective_receive: str = "staged"  # one of COLLECTIVE_RECEIVE
     ray: RayConfig = field(default_factory=RayConfig)
 
     def __post_init__(self) -> None:

@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from rollout_service.config import EngineConfig
+from rollout_service.config import COLLECTIVE_RECEIVE, EngineConfig
 from rollout_service.engines.base import Engine
 from rollout_service.engines.sim import SimEngine, SimParams
 
@@ -91,8 +91,9 @@ def make_engines(cfg: EngineConfig, info: ModelInfo) -> list[Engine]:
         raise ValueError(f"engine.num_engines must be >= 1, got {cfg.num_engines}")
     if cfg.placement_backend not in ("local", "ray"):
         raise ValueError(f"engine.placement_backend must be 'local' or 'ray', got {cfg.placement_backend!r}")
-    if cfg.collective_receive not in ("staged", "direct"):
-        raise ValueError(f"engine.collective_receive must be 'staged' or 'direct', got {cfg.collective_receive!r}")
+    if cfg.collective_receive not in COLLECTIVE_RECEIVE:
+        raise ValueError(f"engine.collective_receive must be one of {', '.join(COLLECTIVE_RECEIVE)}, "
+                         f"got {cfg.collective_receive!r}")
     factories = engine_factories(cfg, info)
     if cfg.placement_backend == "ray":
         from rollout_service.engines.ray_fleet import make_ray_engines

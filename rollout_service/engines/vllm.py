@@ -56,7 +56,6 @@ from rollout_service.engines.vllm_speculation import VllmSpeculation, spec_count
 
 log = logging.getLogger(__name__)
 
-COLLECTIVE_RECEIVE = ("staged", "direct")  # how a gloo engine receives a collective push
 STAGED_POLL_S = 0.02  # how often a staged receive's progress is read
 _SPAWN_LOCK = threading.Lock()  # engines spawn one at a time (they share os.environ)
 
@@ -159,9 +158,6 @@ class VllmEngine:
         require_exact_sampler: bool = True,
         collective_receive: str = "staged",
     ) -> None:
-        if collective_receive not in COLLECTIVE_RECEIVE:
-            raise ValueError(f"engine.collective_receive must be one of {', '.join(COLLECTIVE_RECEIVE)}, "
-                             f"got {collective_receive!r}")
         self.engine_id = engine_id
         self.model = model
         self.max_seqs = max_seqs
@@ -581,10 +577,10 @@ class VllmEngine:
         deadline = time.monotonic() + timeout
         while True:
             states = await asyncio.wait_for(rpc("rollout_staged_receive_state"), self.update_timeout_s)
-            failed = [err for done, _, err in states if done and err]
+            failed = [err for done, err in states if done and err]
             if failed:
                 raise EngineError(f"engine {self.engine_id} failed receiving the push: {failed[0]}")
-            if all(done for done, _, _ in states):
+            if all(done for done, _ in states):
                 return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"engine {self.engine_id} did not receive the push within {timeout:g} s")

@@ -77,7 +77,6 @@ class StagedReceive:
 
     thread: threading.Thread | None = None
     tensors: list = field(default_factory=list)
-    received: int = 0
     error: str = ""
     done: bool = False
 
@@ -139,7 +138,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
 
         def run() -> None:
             try:
-                staged.received = self._receive(parsed, staged.tensors.extend)
+                self._receive(parsed, staged.tensors.extend)
             except BaseException as exc:  # reported by staged_receive_state
                 staged.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
                 staged.tensors.clear()
@@ -149,12 +148,12 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         staged.thread = threading.Thread(target=run, name="rollout-staged-receive", daemon=True)
         staged.thread.start()
 
-    def staged_receive_state(self) -> tuple[bool, int, str]:
-        """(done, bytes received once done, the error if it failed)."""
+    def staged_receive_state(self) -> tuple[bool, str]:
+        """(done, the error if it failed)."""
         staged = self.staged
         if staged is None:
-            return True, 0, "no staged receive"
-        return staged.done, staged.received, staged.error
+            return True, "no staged receive"
+        return staged.done, staged.error
 
     def load_staged(self) -> int:
         """Load a complete staged receive into the update target (between
@@ -191,6 +190,6 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         group, self.group, self.store = self.group, None, None
         collective.abort_group(group)
         staged = self.staged
-        if staged is not None and staged.thread is not None and staged.thread is not threading.current_thread():
+        if staged is not None and staged.thread is not None:
             staged.thread.join(5.0)  # the aborted group ends its receive
 

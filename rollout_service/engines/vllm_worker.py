@@ -90,7 +90,7 @@ class RolloutWorkerExtension:
     def rollout_begin_staged_receive(self, update_info: dict) -> None:
         self._gloo_transfer().begin_staged_receive(update_info)
 
-    def rollout_staged_receive_state(self) -> tuple[bool, int, str]:
+    def rollout_staged_receive_state(self) -> tuple[bool, str]:
         return self._gloo_transfer().staged_receive_state()
 
     def rollout_load_staged(self) -> int:
