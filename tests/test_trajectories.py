@@ -5,18 +5,21 @@ environment hook."""
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 
 import pytest
 
 from rollout_service.core.clock import Clock, run_virtual
 from rollout_service.core.rollout import RolloutCore
 from rollout_service.engines.sim import SimEngine, SimParams
-from rollout_service.engines.types import FinishReason, SamplingParams
+from rollout_service.engines.types import EngineLoad, FinishReason, SamplingParams
 from rollout_service.engines.weights import StagedWeights
-from rollout_service.lifecycle.types import CoreError, EnvReply, EnvRequest, GroupSpec, MultiTurnSpec
+from rollout_service.lifecycle.types import CoreError, EnvReply, EnvRequest, Group, GroupSpec, MultiTurnSpec, Request
 from rollout_service.lifecycle.versions import NO_VERSION
 from rollout_service.partial.carry_over import CarryOverConfig
 from rollout_service.scheduling import make_placement
+from rollout_service.scheduling.affinity import place_affine, slot_waits
+from rollout_service.scheduling.cost_model import CostModel
 
 OBS = 7  # observation tokens per tool call
 
@@ -382,3 +385,36 @@ def test_a_session_key_sends_a_harness_s_next_call_to_its_engine(affinity):
         assert len(set(engines)) == 1 and moves == 0
     else:
         assert len(set(engines)) == 2  # least-assigned sends a call away from the filler's engine
+
+
+def _waiting_turn(gid: str, context: int, engine_id: str) -> Request:
+    spec = GroupSpec(gid, [5] * context, 1, SamplingParams(max_tokens=50), multi_turn=MultiTurnSpec(max_turns=4))
+    req = Request(f"{gid}/0", Group(spec), 0)
+    req.affinity = engine_id
+    return req
+
+
+def _load(engine_id: str, running: int, max_seqs: int = 2) -> EngineLoad:
+    return EngineLoad(engine_id, "sim", "ready", running, 0, max_seqs, 0, 1 << 20, 0.0, 0)
+
+
+@pytest.mark.parametrize("left,moves", [(3.0, False), (400.0, True)])
+def test_a_turn_whose_engine_is_full_moves_only_when_the_wait_costs_more_than_the_re_prefill(left, moves):
+    # e0 is full (2 of 2), e1 has a free slot. The trajectory's context of
+    # 1000 tokens costs 0.02 * 1000 = 20 lone steps to prefill again on e1.
+    cost = CostModel(per_sequence_cost=0.04, prefill_cost=0.02)
+    wait = slot_waits(lambda: {"e0": [left, 500.0]}, {"e0": 2, "e1": 2}, cost)
+    assert wait("e0", 0) == pytest.approx(left * (1 + 0.04 * 2)) and wait("e0", 2) == float("inf")
+    queue = deque([_waiting_turn("g", 1000, "e0")])
+    decisions = place_affine(queue, [_load("e0", 2), _load("e1", 1)], {"e0": 2, "e1": 1}, wait, cost)
+    if moves:  # 400 tokens left on e0's soonest turn: 432 steps of waiting > 20 of re-prefill
+        assert decisions == [] and len(queue) == 1  # left to placement, which has e1's free slot
+    else:  # 3 tokens left: waiting ~3 steps beats re-prefilling 1000 tokens
+        assert [(r.request_id, e) for r, e in decisions] == [("g/0", "e0")] and not queue
+    # A second trajectory waiting for e0 gets the second slot to free (500 tokens away): it moves.
+    queue = deque([_waiting_turn("g", 1000, "e0"), _waiting_turn("h", 1000, "e0")])
+    decisions = place_affine(queue, [_load("e0", 2), _load("e1", 0)], {"e0": 2, "e1": 0}, wait, cost)
+    assert [r.request_id for r in queue] == (["g/0", "h/0"] if moves else ["h/0"])
+    # Without a wait estimate the old rule holds: a free slot elsewhere means a move.
+    queue = deque([_waiting_turn("g", 1000, "e0")])
+    assert place_affine(queue, [_load("e0", 2), _load("e1", 1)], {"e0": 2, "e1": 1}) == []

@@ -464,3 +464,27 @@ async def test_a_big_push_refused_at_its_header_gets_the_refusal_s_status(servic
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
         assert f"greater than the serving version {before}" in err.value.details()
     await _still_serves(rclient, before)
+
+
+async def test_a_push_refused_in_the_middle_of_its_data_gets_the_refusal_s_status(service, rclient):
+    """A bad tensor early in a big push is refused while the sender is still
+    streaming: the sender gets that status, not a failed write's INTERNAL."""
+    before = (await rclient.status()).policy_version
+    sd = {"w": np.zeros(1 << 20, np.float32), "v": np.ones(16 << 20, np.float32)}  # 4 + 64 MiB
+    tensors = wire.flatten(sd)
+    header = pb.WeightsHeader(version=before + 1, tensors=wire.manifest(tensors, "xxh3"), checksum_algo="xxh3_128")
+
+    def chunks():
+        for i, chunk in enumerate(wire.chunks(header, tensors, 1 << 20)):
+            if i == 1:  # the first MiB of "w"
+                data = bytearray(b"".join(chunk))
+                data[7] ^= 0x01
+                chunk = [data]
+            yield chunk
+
+    for _ in range(3):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await rclient._push(chunks())
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (err.value.code(), err.value.details())
+        assert "header.tensors[0]" in err.value.details() and "'w'" in err.value.details(), err.value.details()
+    await _still_serves(rclient, before)

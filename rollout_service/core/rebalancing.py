@@ -13,6 +13,7 @@ from typing import Awaitable, Callable
 from rollout_service.core.fleet import Fleet
 from rollout_service.core.requests import RequestTable
 from rollout_service.lifecycle.types import Request
+from rollout_service.scheduling.cost_model import CostModel
 from rollout_service.scheduling.length_predictor import LengthPredictor
 from rollout_service.scheduling.rebalancer import EngineView, Move, RebalanceConfig, RequestView, is_drained, plan_moves
 
@@ -29,6 +30,12 @@ class Rebalancing:
         self._requests = requests
         self._migrate = migrate
         self._monotonic = monotonic
+
+    @property
+    def cost_model(self) -> CostModel:
+        """The cost model placement and rebalancing price time with (the
+        rebalancer's settings, its defaults when it is off)."""
+        return (self.config or RebalanceConfig()).cost_model()
 
     async def loop(self) -> None:
         while True:

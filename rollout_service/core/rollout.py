@@ -20,7 +20,7 @@ import logging
 import uuid
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Iterable, Mapping, Protocol
+from typing import Awaitable, Callable, Iterable, Mapping, Protocol, Sequence
 
 from rollout_service.core.clock import Clock
 from rollout_service.core.delivery import DeliveryLog
@@ -35,7 +35,7 @@ from rollout_service.core.trajectories import Trajectories
 from rollout_service.core.collective import CollectiveTransfer
 from rollout_service.core.weight_sync import WeightSync
 from rollout_service.engines.base import Engine
-from rollout_service.engines.types import FinishReason
+from rollout_service.engines.types import EngineLoad, FinishReason
 from rollout_service.engines.weights import StagedWeights
 from rollout_service.lifecycle.types import (
     CoreError,
@@ -50,7 +50,7 @@ from rollout_service.lifecycle.types import (
 )
 from rollout_service.partial.carry_over import CarryOverConfig
 from rollout_service.scheduling.length_predictor import LengthPredictor
-from rollout_service.scheduling.affinity import Sessions, place_affine
+from rollout_service.scheduling.affinity import Sessions, SlotWait, place_affine, slot_waits
 from rollout_service.scheduling.placement import LoadView, Placement
 from rollout_service.scheduling.rebalancer import Move, RebalanceConfig
 
@@ -326,12 +326,29 @@ class RolloutCore:
             return
         loads = self.fleet.placeable_loads()
         if self.affinity:  # trajectories' next turns first, where their prefix is cached
-            for req, engine_id in place_affine(self.queue, loads, self.assigned):
+            for req, engine_id in place_affine(self.queue, loads, self.assigned, self._slot_wait(loads),
+                                               self.rebalancing.cost_model):
                 self._start(req, self.engines[engine_id])
         # Predicted load per engine: computed at most once, for this placement.
         decisions = self.placement.place(self.queue, loads, self.assigned, LoadView(self.rebalancing.predicted_loads))
         for req, engine_id in decisions:
             self._start(req, self.engines[engine_id])
+
+    def _slot_wait(self, loads: Sequence[EngineLoad]) -> SlotWait:
+        """When each engine frees its next slots, from what runs there: a
+        trajectory's turn by the mean turn, anything else by the length
+        predictor (a request it cannot price frees no slot)."""
+        def remaining() -> dict[str, list[float]]:
+            out: dict[str, list[float]] = {}
+            for r in self.requests.attached():
+                left = self.trajectories.turn_remaining(r)
+                if left is None and self.predictor is not None:
+                    left = self.predictor.predict(r).median
+                if left is not None:
+                    out.setdefault(r.engine_id, []).append(left)
+            return out
+
+        return slot_waits(remaining, {l.engine_id: l.max_seqs for l in loads}, self.rebalancing.cost_model)
 
     def _start(self, req: Request, engine: Engine) -> None:
         req.segment_start = len(req.token_ids)

@@ -40,6 +40,8 @@ class Trajectories:
         self.environments = dict(environments)
         self._calls = TaskSet()  # environment calls in flight
         self._max_model_len: int | None = None
+        self.mean_turn = 0.0  # running mean of finished generated turns' lengths (0: none yet)
+        self._turns_seen = 0
 
     # -- limits ------------------------------------------------------------------
 
@@ -80,6 +82,16 @@ class Trajectories:
             room = min(room, limit - len(req.group.spec.prompt_token_ids) - len(req.token_ids))
         return room
 
+    def turn_remaining(self, req: Request) -> float | None:
+        """Predicted tokens left in the turn `req` is generating (None: not
+        a trajectory, or none finished yet to learn from): the mean finished
+        turn less what this one has; past the mean, as much again (a
+        heavy tail, as the length predictor assumes)."""
+        if req.group.spec.multi_turn is None or not self._turns_seen:
+            return None
+        done = len(req.token_ids) - req.turn_start
+        return self.mean_turn - done if done < self.mean_turn else float(done)
+
     # -- the core's hooks ----------------------------------------------------------
 
     def starting(self, req: Request, engine_id: str) -> bool:
@@ -112,6 +124,10 @@ class Trajectories:
         wait for an observation (from the environment or the trainer)."""
         core = self.core
         self.close_turn(req, finish)
+        if req.turns and req.turns[-1].kind == "generated":
+            # The mean over the last ~256 turns: it follows a policy whose turns grow.
+            self._turns_seen += 1
+            self.mean_turn += (req.turns[-1].length - self.mean_turn) / min(self._turns_seen, 256)
         req.turn_index += 1
         core.counters["turns_completed"] += 1
         mt = req.group.spec.multi_turn
