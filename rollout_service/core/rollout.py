@@ -51,6 +51,7 @@ from rollout_service.lifecycle.types import (
 from rollout_service.partial.carry_over import CarryOverConfig
 from rollout_service.scheduling.length_predictor import LengthPredictor
 from rollout_service.scheduling.affinity import Sessions, SlotWait, place_affine, slot_waits
+from rollout_service.scheduling.cost_model import CostModel
 from rollout_service.scheduling.placement import LoadView, Placement
 from rollout_service.scheduling.rebalancer import Move, RebalanceConfig
 
@@ -326,15 +327,15 @@ class RolloutCore:
             return
         loads = self.fleet.placeable_loads()
         if self.affinity:  # trajectories' next turns first, where their prefix is cached
-            for req, engine_id in place_affine(self.queue, loads, self.assigned, self._slot_wait(loads),
-                                               self.rebalancing.cost_model):
+            cost = self.rebalancing.cost_model
+            for req, engine_id in place_affine(self.queue, loads, self.assigned, self._slot_wait(loads, cost), cost):
                 self._start(req, self.engines[engine_id])
         # Predicted load per engine: computed at most once, for this placement.
         decisions = self.placement.place(self.queue, loads, self.assigned, LoadView(self.rebalancing.predicted_loads))
         for req, engine_id in decisions:
             self._start(req, self.engines[engine_id])
 
-    def _slot_wait(self, loads: Sequence[EngineLoad]) -> SlotWait:
+    def _slot_wait(self, loads: Sequence[EngineLoad], cost: CostModel) -> SlotWait:
         """When each engine frees its next slots, from what runs there: a
         trajectory's turn by the mean turn, anything else by the length
         predictor (a request it cannot price frees no slot)."""
@@ -348,7 +349,7 @@ class RolloutCore:
                     out.setdefault(r.engine_id, []).append(left)
             return out
 
-        return slot_waits(remaining, {l.engine_id: l.max_seqs for l in loads}, self.rebalancing.cost_model)
+        return slot_waits(remaining, {l.engine_id: l.max_seqs for l in loads}, cost)
 
     def _start(self, req: Request, engine: Engine) -> None:
         req.segment_start = len(req.token_ids)

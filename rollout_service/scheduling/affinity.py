@@ -44,15 +44,13 @@ def slot_waits(remaining: Callable[[], Mapping[str, Sequence[float]]], max_seqs:
     responses) running on each engine (`remaining()`, called at most once,
     on the first look-up): the k-th slot frees when the k-th shortest of
     them ends, each step of a full batch priced by `cost`."""
-    ordered: dict[str, list[float]] = {}
-    known: list[Mapping[str, Sequence[float]]] = []
+    ordered: dict[str, list[float]] | None = None
 
     def wait(engine_id: str, k: int) -> float:
-        if not known:
-            known.append(remaining())
-        left = ordered.get(engine_id)
-        if left is None:
-            left = ordered[engine_id] = sorted(max(0.0, x) for x in known[0].get(engine_id, ()))
+        nonlocal ordered
+        if ordered is None:
+            ordered = {e: sorted(max(0.0, x) for x in xs) for e, xs in remaining().items()}
+        left = ordered.get(engine_id, [])
         if k >= len(left):
             return math.inf
         n = max(1, max_seqs.get(engine_id, 1))
