@@ -128,7 +128,8 @@ async def test_push_with_each_checksum_choice_applies(service, rclient, checksum
     await _still_serves(rclient, before + 1)
 
 
-async def _corrupt_push(client: RolloutClient, sd, version: int, checksums: str, chunk_index: int):
+async def _corrupt_push(client: RolloutClient, sd, version: int, checksums: str, chunk_index: int,
+                        chunk_bytes: int = 4096):
     """A push whose chunk `chunk_index` (after the header) has one byte flipped."""
     tensors = wire.flatten(sd)
     algo = wire.checksum_algo(checksums)
@@ -136,7 +137,7 @@ async def _corrupt_push(client: RolloutClient, sd, version: int, checksums: str,
                               checksum_algo="" if algo == "sha256" else algo)
 
     def chunks():
-        for i, chunk in enumerate(wire.chunks(header, tensors, 4096)):
+        for i, chunk in enumerate(wire.chunks(header, tensors, chunk_bytes)):
             if i == chunk_index:
                 data = bytearray(b"".join(chunk))
                 data[len(data) // 2] ^= 0x01
@@ -194,10 +195,8 @@ async def test_a_misplaced_missing_or_short_trailer_is_invalid_argument(service,
     msgs, trailer = _trailer_push(_state_dict(), before + 1, "xxh3_128")
     cases = {
         "missing": (msgs, "without the WeightsTrailer"),
-        # Nothing after the early trailer: the service refuses at the trailer, and
-        # data still being written then would race the refusal (the sender's
-        # write, not the status, would fail).
-        "before the end of the data": (msgs[:2] + [trailer], "follows all the data"),
+        # Data still streamed after the early trailer: the service drains it and refuses.
+        "before the end of the data": (msgs[:2] + [trailer] + msgs[2:], "follows all the data"),
         "followed by data": (msgs + [trailer, [memoryview(b"x")]], "last message"),
         "twice": (msgs + [trailer, trailer], "last message"),
         "short": (msgs + [pb.WeightsChunk(trailer=pb.WeightsTrailer(digests=trailer.trailer.digests[:3]))],
@@ -471,20 +470,9 @@ async def test_a_push_refused_in_the_middle_of_its_data_gets_the_refusal_s_statu
     streaming: the sender gets that status, not a failed write's INTERNAL."""
     before = (await rclient.status()).policy_version
     sd = {"w": np.zeros(1 << 20, np.float32), "v": np.ones(16 << 20, np.float32)}  # 4 + 64 MiB
-    tensors = wire.flatten(sd)
-    header = pb.WeightsHeader(version=before + 1, tensors=wire.manifest(tensors, "xxh3"), checksum_algo="xxh3_128")
-
-    def chunks():
-        for i, chunk in enumerate(wire.chunks(header, tensors, 1 << 20)):
-            if i == 1:  # the first MiB of "w"
-                data = bytearray(b"".join(chunk))
-                data[7] ^= 0x01
-                chunk = [data]
-            yield chunk
-
     for _ in range(3):
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            await rclient._push(chunks())
+        with pytest.raises(grpc.aio.AioRpcError) as err:  # chunk 1: the first MiB of "w"
+            await _corrupt_push(rclient, sd, before + 1, "xxh3", chunk_index=1, chunk_bytes=1 << 20)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (err.value.code(), err.value.details())
         assert "header.tensors[0]" in err.value.details() and "'w'" in err.value.details(), err.value.details()
     await _still_serves(rclient, before)

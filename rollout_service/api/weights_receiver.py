@@ -50,6 +50,9 @@ TARGETS = ("policy", "draft")
 MAX_CHUNKS_IN_FLIGHT = 4
 # PushWeights' initial metadata once a streamed push's header is accepted.
 PUSH_ACCEPTED = (("rollout-push-accepted", "1"),)
+# A push refused in the middle of its data: what the sender still streams is
+# read and dropped for at most this long before the refusal is returned.
+REFUSAL_DRAIN_S = 30.0
 
 
 def parse_chunk(raw: bytes) -> "pb.WeightsChunk | memoryview":
@@ -150,7 +153,12 @@ class WeightsReceiver:
         trailer_algo = header.checksum_algo if header.checksum_algo and not any(s.checks() for s in specs) else ""
         if accepted is not None:
             await accepted()
-        staged = await _receive_into_file(_with_idle_timeout(messages, self.push_idle_timeout_s), specs, trailer_algo)
+        stream = _with_idle_timeout(messages, self.push_idle_timeout_s)
+        try:
+            staged = await _receive_into_file(stream, specs, trailer_algo)
+        except (FieldError, ManifestError):
+            await _drain(stream, REFUSAL_DRAIN_S)
+            raise
         return ReceivedWeights(target, header.version, staged, total)
 
     async def apply(self, weights: ReceivedWeights) -> int:
@@ -266,6 +274,16 @@ async def _receive_into_file(messages: AsyncIterable, specs: list[TensorSpec],
         raise
     finally:
         pool.shutdown(wait=False)
+
+
+async def _drain(stream, limit_s: float) -> None:
+    """Read and drop the rest of a refused push (at most `limit_s`): a status
+    returned while the sender is still writing races its next write, and the
+    sender then gets that write's failure (INTERNAL) instead of the refusal."""
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(limit_s):
+            async for _ in stream:
+                pass
 
 
 async def _with_idle_timeout(iterator, timeout_s: float):
