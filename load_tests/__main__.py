@@ -25,7 +25,8 @@ from load_tests.workloads import WORKLOADS, load_workload
 from rollout_service.engines.sim import SimParams
 from load_tests.policies import parse_policies
 
-COST_FIELDS = ("decode_base_s", "decode_per_seq_s", "decode_per_ctx_token_s", "prefill_per_token_s", "weight_update_s")
+COST_FIELDS = ("decode_base_s", "decode_per_seq_s", "decode_per_ctx_token_s", "prefill_per_token_s", "weight_update_s",
+               "spec_draft_cost", "spec_verify_cost", "spec_acceptance")  # the last three: `calibrate --draft`
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -106,7 +107,7 @@ def _cost_model(path: str | None) -> dict:
     if not path:
         return {}
     fit = json.loads(Path(path).read_text())["sim_params"]
-    return {k: float(v) for k, v in fit.items() if k in COST_FIELDS}
+    return {k: [float(x) for x in v] if isinstance(v, list) else float(v) for k, v in fit.items() if k in COST_FIELDS}
 
 
 def run_one(args, workload_name: str, engines: int, out: Path | None) -> dict:

@@ -20,6 +20,22 @@ lower bound of real-engine runs; simulated fleets take the fit with
     python -m load_tests.calibrate                       # the bundled tiny model, vLLM CPU, one core
     python -m load_tests.calibrate --model DIR --out fit.json --dtype bfloat16   # e.g. on a GPU
 
+With `--draft DIR` (or `bundled`) it then starts a second engine of the
+same model with that draft model attached and measures what speculation
+costs and yields there:
+
+- decode steps at K = 0 (every step of a draft-model engine outside the
+  tail) and verify steps at K = `--spec-k` (engine steps counted from vLLM's
+  own statistics, since a verify step yields more than one token);
+- the acceptance per draft position on the tiny-reasoner task's prompts,
+  drafting only while at most 4 sequences run, as the service does;
+
+and fits `spec_draft_cost` and `spec_verify_cost` (the extra cost of a
+verify step over a K = 0 step, `sim.SimParams`) and `spec_acceptance` (the
+measured rates), which `load_tests run --cost-model` and `predict` use:
+
+    python -m load_tests.calibrate --model DIR --draft bundled --out fit.json
+
 On a CPU it binds the engine to `--cores` (default: core 0, as one engine of
 a fleet runs) and gives it `VLLM_CPU_KVCACHE_SPACE=1` GiB of KV cache; on a
 GPU those settings are not used. Start-up takes ~20 s on a CPU.
@@ -27,6 +43,7 @@ GPU those settings are not used. Start-up takes ~20 s on a CPU.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -63,23 +80,67 @@ def _timed(llm, prompts, max_tokens: int, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _engine_steps(llm) -> int:
+    """Engine steps run so far (vLLM counts one `iteration_tokens_total`
+    observation per step, prefill and decode alike)."""
+    for m in llm.get_metrics():
+        if m.name == "vllm:iteration_tokens_total":
+            return int(m.count)
+    raise RuntimeError("vLLM reports no vllm:iteration_tokens_total (start the engine with log stats on)")
+
+
+def _timed_steps(llm, prompts, max_tokens: int, repeats: int) -> tuple[float, float]:
+    """(median seconds, median engine steps) of generating `max_tokens` for every prompt."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True, temperature=1.0)
+    times, steps = [], []
+    for _ in range(repeats):
+        s0 = _engine_steps(llm)
+        t0 = time.perf_counter()
+        llm.generate(prompts, sp, use_tqdm=False)
+        times.append(time.perf_counter() - t0)
+        steps.append(_engine_steps(llm) - s0)
+    return statistics.median(times), statistics.median(steps)
+
+
+def _decode_steps(llm, shapes, vocab: int, t1: int, t2: int, repeats: int, rng, label: str = "",
+                  count_steps: bool = False) -> list[dict]:
+    """One decode step's time at each (batch, prompt length): B sequences
+    decode t1 and then t2 tokens; the difference over the extra steps. With
+    speculation a step yields more than one token, so `count_steps` divides
+    by the engine steps counted instead of the tokens."""
+    out = []
+    for b, p in shapes:
+        prompts = _prompts(b, p, vocab, rng)
+        if count_steps:
+            (short, s1), (long, s2) = _timed_steps(llm, prompts, t1, repeats), _timed_steps(llm, prompts, t2, repeats)
+            extra = max(s2 - s1, 1)
+        else:
+            short, long = _timed(llm, prompts, t1, repeats), _timed(llm, prompts, t2, repeats)
+            extra = t2 - t1
+        step = (long - short) / extra
+        ctx = b * (p + (t1 + t2) / 2)  # mean context of the batch over the extra steps
+        out.append({"batch": b, "prompt": p, "context_tokens": ctx, "step_s": step,
+                    "tokens_per_s": b * (t2 - t1) / (long - short) if long > short else None})
+        print(f"  {label}decode batch {b:>3} prompt {p:>4}: {step * 1e3:7.3f} ms/step, "
+              f"{out[-1]['tokens_per_s'] or 0:8.0f} tokens/s", flush=True)
+    return out
+
+
+def decode_tokens(quick: bool) -> tuple[int, int]:
+    return (8, 40) if quick else (16, 144)
+
+
 def measure(llm, vocab: int, max_len: int, batches: list[int], repeats: int, quick: bool) -> dict:
     rng = np.random.default_rng(0)
-    t1, t2 = (8, 40) if quick else (16, 144)
+    t1, t2 = decode_tokens(quick)
     prompt_short = 16
     prompt_long = min(448, max_len - t2 - 8)
     _timed(llm, _prompts(4, prompt_short, vocab, rng), t1, 1)  # warm-up
 
-    decode = []
-    for b, p in [(b, prompt_short) for b in batches] + [(16, prompt_long), (max(batches), prompt_long)]:
-        prompts = _prompts(b, p, vocab, rng)
-        short = _timed(llm, prompts, t1, repeats)
-        long = _timed(llm, prompts, t2, repeats)
-        step = (long - short) / (t2 - t1)
-        ctx = b * (p + (t1 + t2) / 2)  # mean context of the batch over the extra steps
-        decode.append({"batch": b, "prompt": p, "context_tokens": ctx, "step_s": step,
-                       "tokens_per_s": b / step if step > 0 else None})
-        print(f"  decode batch {b:>3} prompt {p:>4}: {step * 1e3:7.3f} ms/step, {b / step:8.0f} tokens/s", flush=True)
+    shapes = [(b, prompt_short) for b in batches] + [(16, prompt_long), (max(batches), prompt_long)]
+    decode = _decode_steps(llm, shapes, vocab, t1, t2, repeats, rng)
 
     prefill = []
     lengths = [32, 128, 256, 512, min(896, max_len - 8)]
@@ -90,6 +151,66 @@ def measure(llm, vocab: int, max_len: int, batches: list[int], repeats: int, qui
         prefill.append({"prompt": p, "time_s": t})
         print(f"  prefill {p:>4} tokens: {t * 1e3:7.2f} ms", flush=True)
     return {"decode": decode, "prefill": prefill, "decode_tokens": [t1, t2]}
+
+
+def _spec_counters(llm) -> tuple[int, list[int]]:
+    """(drafts so far, accepted draft tokens per position so far)."""
+    drafts, per_pos = 0, []
+    for m in llm.get_metrics():
+        if m.name == "vllm:spec_decode_num_drafts":
+            drafts = int(m.value)
+        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            per_pos = [int(v) for v in m.values]
+    return drafts, per_pos
+
+
+def _set_depth(llm, schedule: list[list[int]]) -> None:
+    # The engine core's K per batch size (the plugin's utility, as the service sets it).
+    llm.llm_engine.engine_core.call_utility("rollout_set_spec_schedule", schedule)
+
+
+def measure_draft(llm, vocab: int, batches: list[int], verify_batches: list[int], k: int, max_seqs: int,
+                  repeats: int, quick: bool, task_prompts: list[list[int]], samples: int, max_tokens: int,
+                  tail_seqs: int = 4) -> dict:
+    """With a draft model attached: decode steps at K = 0 (what every step
+    of a draft-model engine pays outside the tail), verify steps at K = k
+    (the drafts and the verification of k tokens per sequence), and the
+    acceptance per draft position on the task's own prompts, drafting while
+    at most `tail_seqs` sequences run."""
+    from vllm import SamplingParams
+
+    rng = np.random.default_rng(1)
+    t1, t2 = decode_tokens(quick)
+    _set_depth(llm, [[1, max_seqs, 0]])
+    _timed(llm, _prompts(4, 16, vocab, rng), t1, 1)  # warm-up
+    k0 = _decode_steps(llm, [(b, 16) for b in sorted(set(batches) | set(verify_batches))], vocab, t1, t2, repeats,
+                       rng, label="K=0 ")
+    _set_depth(llm, [[1, max_seqs, k]])
+    _timed(llm, _prompts(4, 16, vocab, rng), t1, 1)
+    kk = _decode_steps(llm, [(b, 16) for b in verify_batches], vocab, t1, t2, repeats, rng, label=f"K={k} ",
+                       count_steps=True)
+    # Acceptance where the service speculates: in the tail, while at most
+    # `tail_seqs` sequences run (the long responses, not the bulk's short ones).
+    _set_depth(llm, [[1, tail_seqs, k], [tail_seqs + 1, max_seqs, 0]])
+    d0, p0 = _spec_counters(llm)
+    sp = SamplingParams(n=samples, max_tokens=max_tokens, temperature=1.0)
+    t0 = time.perf_counter()
+    llm.generate([{"prompt_token_ids": ids} for ids in task_prompts], sp, use_tqdm=False)
+    d1, p1 = _spec_counters(llm)
+    drafts = d1 - d0
+    accepted = [b - a for a, b in zip(p0 + [0] * (len(p1) - len(p0)), p1)][:k]
+    rates, before = [], drafts
+    for a in accepted:  # P(position i accepted | positions < i accepted)
+        rates.append(a / before if before else 0.0)
+        before = a
+    length = 1.0 + sum(accepted) / drafts if drafts else 1.0
+    print(f"  acceptance on {len(task_prompts)} task prompts x {samples}, drafting at <= {tail_seqs} sequences "
+          f"({time.perf_counter() - t0:.0f} s): "
+          f"{length:.2f} tokens per verify, per position " + ", ".join(f"{r:.2f}" for r in rates), flush=True)
+    return {"k": k, "decode_k0": k0, "decode_k": kk,
+            "acceptance": {"drafts": drafts, "accepted_per_position": accepted, "rates": rates,
+                           "mean_acceptance_length": length, "prompts": len(task_prompts), "samples": samples,
+                           "max_tokens": max_tokens, "tail_seqs": tail_seqs}}
 
 
 def fit(m: dict) -> dict:
@@ -119,6 +240,78 @@ def fit(m: dict) -> dict:
             "max_relative_error": float(np.max(np.abs(pred - y) / y))}
 
 
+def fit_draft(params: dict, d: dict) -> dict:
+    """The simulated engine's speculation costs from `measure_draft`.
+
+    A verify step at depth K, against a K = 0 step of the same engine and
+    batch n, costs K drafts and the verification of K more tokens per
+    sequence; `SimParams` prices them as
+
+        extra(n) = K * spec_draft_cost * (decode_base_s + decode_per_seq_s * n)
+                 + K * spec_verify_cost * decode_per_seq_s * n
+
+    fitted by non-negative least squares. A K = 0 step of a draft-model
+    engine costs (1 + spec_draft_cost) plain steps in the simulator: the
+    measured K = 0 steps against the plain engine's show how far that holds.
+    The acceptance per position is the measured one."""
+    k = int(d["k"])
+    base, per_seq = float(params["decode_base_s"]), float(params["decode_per_seq_s"])
+    k0 = {x["batch"]: x["step_s"] for x in d["decode_k0"]}
+    rows = [(x["batch"], x["step_s"] - k0[x["batch"]]) for x in d["decode_k"] if x["batch"] in k0]
+    if not rows:
+        raise ValueError("no verify step measured at a batch size measured at K = 0")
+    n = np.array([r[0] for r in rows], float)
+    y = np.array([r[1] for r in rows])
+    cols = {"spec_draft_cost": k * (base + per_seq * n), "spec_verify_cost": k * per_seq * n}
+    names = list(cols)
+    while True:
+        coef, *_ = np.linalg.lstsq(np.stack([cols[c] for c in names], axis=1), y, rcond=None)
+        negative = [c for c, v in zip(names, coef) if v < 0]
+        if not negative or len(names) == 1:
+            break
+        names.remove(negative[0])
+    sim = {c: 0.0 for c in cols}
+    sim.update({c: max(0.0, float(v)) for c, v in zip(names, coef)})
+    pred = sum(sim[c] * cols[c] for c in cols)
+    plain = [base + per_seq * x["batch"] for x in d["decode_k0"]]
+    k0_ratio = [x["step_s"] / p for x, p in zip(d["decode_k0"], plain)]
+    sim["spec_acceptance"] = [round(float(r), 4) for r in d["acceptance"]["rates"]]
+    return {"sim_params": sim,
+            "verify_extra_s": {int(b): float(v) for b, v in zip(n, y)},
+            "verify_extra_fit_s": {int(b): float(v) for b, v in zip(n, pred)},
+            "k0_over_plain": {x["batch"]: float(r) for x, r in zip(d["decode_k0"], k0_ratio)},
+            "mean_acceptance_length": d["acceptance"]["mean_acceptance_length"]}
+
+
+def _shutdown(llm) -> None:
+    with contextlib.suppress(RuntimeError, AttributeError):  # already gone
+        llm.llm_engine.engine_core.shutdown()
+
+
+def calibrate_draft(args, model: str, vocab: int, max_len: int, batches: list[int]) -> dict:
+    """`measure_draft` on an engine of the same model with the draft model attached."""
+    from vllm import LLM
+
+    from load_tests.workloads.tiny_reasoner import generate
+    from rollout_service.engines.spec_config import SpecConfig
+
+    spec = SpecConfig(method="draft_model", model="" if args.draft == "bundled" else args.draft,
+                      num_speculative_tokens=args.spec_k, schedule=[[1, 1 << 16, 0]])
+    max_seqs = max(batches)
+    print(f"speculation: draft model {Path(spec.draft_model_path()).name}, K=0 and K={args.spec_k}; starting the engine...",
+          flush=True)
+    llm = LLM(model=model, dtype=args.dtype, enforce_eager=True, max_model_len=max_len, max_num_seqs=max_seqs,
+              enable_prefix_caching=False, seed=0, disable_log_stats=False,
+              speculative_config=spec.vllm_speculative_config(max_seqs))
+    workload = generate(1, args.task_groups, seed=0, samples_per_group=4)
+    prompts = [list(g.prompt_token_ids) for g in workload.steps[0]]
+    try:
+        return measure_draft(llm, vocab, batches, [int(b) for b in args.verify_batches.split(",")], args.spec_k,
+                             max_seqs, args.repeats, args.quick, prompts, 4, workload.max_tokens)
+    finally:
+        _shutdown(llm)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="", help="model directory (default: the bundled tiny reasoner)")
@@ -129,6 +322,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-gib", default="1", help="CPU only: KV cache (VLLM_CPU_KVCACHE_SPACE, GiB)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="fewer, shorter measurements")
+    ap.add_argument("--draft", default="", metavar="DIR|bundled",
+                    help="also calibrate speculation with this draft model ('bundled': the bundled drafter): "
+                         "a second engine measures steps at K=0 and K=--spec-k and the acceptance on the task's prompts")
+    ap.add_argument("--spec-k", type=int, default=4,
+                    help="with --draft: the depth of the verify steps and of the acceptance measured (the service's largest K)")
+    ap.add_argument("--verify-batches", default="1,2,4,16",
+                    help="with --draft: batch sizes of the verify steps measured (the default schedule speculates up to 16)")
+    ap.add_argument("--task-groups", type=int, default=16,
+                    help="with --draft: tiny-reasoner prompts (x 4 samples) the acceptance is measured on")
     args = ap.parse_args(argv)
 
     model = args.model or default_model()
@@ -149,6 +351,10 @@ def main(argv: list[str] | None = None) -> int:
     startup = time.perf_counter() - t0
     print(f"  engine up in {startup:.1f} s", flush=True)
     m = measure(llm, int(config["vocab_size"]), max_len, batches, args.repeats, args.quick)
+    draft = None
+    if args.draft:
+        _shutdown(llm)
+        draft = calibrate_draft(args, model, int(config["vocab_size"]), max_len, batches)
     result = {
         "model": Path(model).name,
         "device": device,
@@ -161,6 +367,11 @@ def main(argv: list[str] | None = None) -> int:
         **fit(m),
         "measurements": m,
     }
+    if draft is not None:
+        result["draft_measurements"] = draft
+        spec = fit_draft(result["sim_params"], draft)
+        result["sim_params"].update(spec.pop("sim_params"))
+        result["draft_fit"] = spec
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

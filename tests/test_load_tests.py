@@ -174,6 +174,57 @@ def test_a_calibration_file_sets_the_simulated_cost_model(tmp_path):
     assert {k: cost[k] for k in fit["sim_params"]} == fit["sim_params"]
 
 
+def test_the_draft_calibration_recovers_the_speculation_costs_it_was_measured_with():
+    """`calibrate --draft` fits the simulated engine's draft and verify costs
+    to verify steps measured against K = 0 steps of the same engine: steps
+    built from known costs give those costs back, and the acceptance per
+    position is the measured one."""
+    from load_tests.calibrate import fit_draft
+
+    plain = {"decode_base_s": 0.076, "decode_per_seq_s": 0.0034}
+    draft_cost, verify_cost, k = 0.03, 0.6, 4
+
+    def k0(n):
+        return plain["decode_base_s"] + plain["decode_per_seq_s"] * n + 0.002  # a draft-model engine's K = 0 step
+
+    def verify(n):
+        return k0(n) + k * draft_cost * (plain["decode_base_s"] + plain["decode_per_seq_s"] * n) \
+            + k * verify_cost * plain["decode_per_seq_s"] * n
+
+    measured = {"k": k, "decode_k0": [{"batch": n, "step_s": k0(n)} for n in (1, 2, 4, 16, 64)],
+                "decode_k": [{"batch": n, "step_s": verify(n)} for n in (1, 2, 4)],
+                "acceptance": {"rates": [0.7, 0.8, 0.75, 0.7], "mean_acceptance_length": 2.9}}
+    out = fit_draft(plain, measured)
+    assert out["sim_params"]["spec_draft_cost"] == pytest.approx(draft_cost, rel=1e-6)
+    assert out["sim_params"]["spec_verify_cost"] == pytest.approx(verify_cost, rel=1e-6)
+    assert out["sim_params"]["spec_acceptance"] == [0.7, 0.8, 0.75, 0.7]
+    assert out["k0_over_plain"][64] > 1.0
+    # Verify steps no dearer than K = 0 ones: speculation is free, not negative.
+    measured["decode_k"] = [{"batch": n, "step_s": k0(n)} for n in (1, 2, 4)]
+    free = fit_draft(plain, measured)["sim_params"]
+    assert free["spec_draft_cost"] == free["spec_verify_cost"] == 0.0
+
+
+def test_a_calibration_file_s_speculation_costs_reach_the_simulated_engines(tmp_path):
+    """A calibration with a draft model's costs and acceptance per position
+    (`calibrate --draft`) prices a run with speculation: dearer verification
+    or lower acceptance make it slower; a run without it is unchanged."""
+    base = {"decode_base_s": 0.004, "decode_per_seq_s": 0.0005}
+    cases = {"cheap": {"spec_verify_cost": 0.1, "spec_acceptance": [0.9, 0.9, 0.9, 0.9]},
+             "dear": {"spec_verify_cost": 2.0, "spec_acceptance": [0.5, 0.4, 0.3, 0.3]}}
+    makespan = {}
+    for name, spec in cases.items():
+        fit = tmp_path / f"{name}.json"
+        fit.write_text(json.dumps({"sim_params": {**base, "spec_draft_cost": 0.05, **spec}}))
+        out = tmp_path / name
+        assert main(["run", "--workload", "math", "--engines", "2", "--policy", "static,least-assigned+spec",
+                     "--quick", "--quiet", "--no-plots", "--cost-model", str(fit), "--report", str(out)]) == 0
+        results = json.loads((out / "report.json").read_text())["results"]
+        makespan[name] = {p: r["makespan_s"] for p, r in results.items()}
+    assert makespan["dear"]["least-assigned+spec"] > 1.2 * makespan["cheap"]["least-assigned+spec"]
+    assert makespan["dear"]["static"] == pytest.approx(makespan["cheap"]["static"], rel=1e-6)
+
+
 @pytest.mark.parametrize("method", ["draft_model", "ngram"])
 def test_the_bound_holds_with_speculative_decoding_in_the_simulated_engines(method):
     w = quick("math", steps=2, groups=8)

@@ -217,6 +217,8 @@ def test_policy_mechanisms_switch_speculation_on():
     spec, rest = mechanism_spec(policy.mechanisms)
     assert spec["method"] == "draft_model" and spec["train"] and spec["tune"] and rest == []
     assert mechanism_spec(parse_policy("spec-ngram").mechanisms)[0]["method"] == "ngram"
+    siblings = mechanism_spec(parse_policy("length-aware+partial+spec-siblings").mechanisms)
+    assert siblings[0]["method"] == "siblings" and siblings[0]["tune"] and siblings[1] == ["partial"]
     with pytest.raises(ValueError, match="two speculation"):
         mechanism_spec(["spec", "spec-ngram"])
 

@@ -9,6 +9,7 @@ MECHANISM_SPECS: dict[str, dict[str, Any]] = {
     "spec": {"method": "draft_model", "tune": True, "train": True},
     "spec-frozen": {"method": "draft_model", "tune": True, "train": False},
     "spec-ngram": {"method": "ngram", "tune": True},
+    "spec-siblings": {"method": "siblings", "tune": True},
 }
 
 #: Their names as the policy vocabulary takes them (name -> description);
@@ -17,6 +18,7 @@ SPEC_MECHANISMS: dict[str, str] = {
     "spec": "speculative decoding in the tail with the online-trained drafter and the depth tuner",
     "spec-frozen": "speculative decoding in the tail with the bundled drafter, never retrained (baseline)",
     "spec-ngram": "speculative decoding in the tail with n-gram (prompt lookup) drafts and the depth tuner",
+    "spec-siblings": "speculative decoding in the tail with drafts from the group's sibling responses and the depth tuner",
 }
 
 
