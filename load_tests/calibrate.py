@@ -332,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--task-groups", type=int, default=16,
                     help="with --draft: tiny-reasoner prompts (x 4 samples) the acceptance is measured on")
     args = ap.parse_args(argv)
+    if args.draft and args.draft != "bundled" and not (Path(args.draft) / "config.json").is_file():
+        ap.error(f"--draft {args.draft}: not a model directory (no config.json); 'bundled' takes the bundled drafter")
 
     model = args.model or default_model()
     config = json.loads((Path(model) / "config.json").read_text())
