@@ -68,16 +68,7 @@ def _prompts(n: int, length: int, vocab: int, rng: np.random.Generator) -> list[
 
 
 def _timed(llm, prompts, max_tokens: int, repeats: int) -> float:
-    from vllm import SamplingParams
-
-    # No per-request seed: a seeded generator fails on the CPU backend when a prompt is prefilled in chunks.
-    sp = SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True, temperature=1.0)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        llm.generate(prompts, sp, use_tqdm=False)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return _timed_steps(llm, prompts, max_tokens, repeats)[0]
 
 
 def _engine_steps(llm) -> int:
@@ -89,18 +80,20 @@ def _engine_steps(llm) -> int:
     raise RuntimeError("vLLM reports no vllm:iteration_tokens_total (start the engine with log stats on)")
 
 
-def _timed_steps(llm, prompts, max_tokens: int, repeats: int) -> tuple[float, float]:
-    """(median seconds, median engine steps) of generating `max_tokens` for every prompt."""
+def _timed_steps(llm, prompts, max_tokens: int, repeats: int, count_steps: bool = False) -> tuple[float, float]:
+    """(median seconds, median engine steps, 0 unless `count_steps`) of
+    generating `max_tokens` for every prompt."""
     from vllm import SamplingParams
 
+    # No per-request seed: a seeded generator fails on the CPU backend when a prompt is prefilled in chunks.
     sp = SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True, temperature=1.0)
     times, steps = [], []
     for _ in range(repeats):
-        s0 = _engine_steps(llm)
+        s0 = _engine_steps(llm) if count_steps else 0
         t0 = time.perf_counter()
         llm.generate(prompts, sp, use_tqdm=False)
         times.append(time.perf_counter() - t0)
-        steps.append(_engine_steps(llm) - s0)
+        steps.append(_engine_steps(llm) - s0 if count_steps else 0)
     return statistics.median(times), statistics.median(steps)
 
 
@@ -113,12 +106,8 @@ def _decode_steps(llm, shapes, vocab: int, t1: int, t2: int, repeats: int, rng, 
     out = []
     for b, p in shapes:
         prompts = _prompts(b, p, vocab, rng)
-        if count_steps:
-            (short, s1), (long, s2) = _timed_steps(llm, prompts, t1, repeats), _timed_steps(llm, prompts, t2, repeats)
-            extra = max(s2 - s1, 1)
-        else:
-            short, long = _timed(llm, prompts, t1, repeats), _timed(llm, prompts, t2, repeats)
-            extra = t2 - t1
+        (short, s1), (long, s2) = (_timed_steps(llm, prompts, t, repeats, count_steps) for t in (t1, t2))
+        extra = max(s2 - s1, 1) if count_steps else t2 - t1
         step = (long - short) / extra
         ctx = b * (p + (t1 + t2) / 2)  # mean context of the batch over the extra steps
         out.append({"batch": b, "prompt": p, "context_tokens": ctx, "step_s": step,
@@ -213,6 +202,22 @@ def measure_draft(llm, vocab: int, batches: list[int], verify_batches: list[int]
                            "max_tokens": max_tokens, "tail_seqs": tail_seqs}}
 
 
+def _lstsq_dropping_negatives(cols: dict[str, np.ndarray], y: np.ndarray, keep: frozenset | set = frozenset()) -> dict:
+    """Least squares of `y` on the named columns, refitted without the first
+    negative coefficient (outside `keep`) until none is left or one column
+    remains; dropped columns get 0."""
+    names = list(cols)
+    while True:
+        coef, *_ = np.linalg.lstsq(np.stack([cols[n] for n in names], axis=1), y, rcond=None)
+        negative = [n for n, c in zip(names, coef) if c < 0 and n not in keep]
+        if not negative or len(names) == 1:
+            break
+        names.remove(negative[0])
+    out = {n: 0.0 for n in cols}
+    out.update({n: float(c) for n, c in zip(names, coef)})
+    return out
+
+
 def fit(m: dict) -> dict:
     """Least-squares cost model from the measurements (negative terms dropped)."""
     d = m["decode"]
@@ -220,17 +225,8 @@ def fit(m: dict) -> dict:
     cols = {"decode_base_s": np.ones(len(d)),
             "decode_per_seq_s": np.array([x["batch"] for x in d], float),
             "decode_per_ctx_token_s": np.array([x["context_tokens"] for x in d], float)}
-    names = list(cols)
-    while True:
-        a = np.stack([cols[n] for n in names], axis=1)
-        coef, *_ = np.linalg.lstsq(a, y, rcond=None)
-        negative = [n for n, c in zip(names, coef) if c < 0 and n != "decode_base_s"]
-        if not negative:
-            break
-        names.remove(negative[0])
-    params = {n: 0.0 for n in cols}
-    params.update({n: float(c) for n, c in zip(names, coef)})
-    pred = np.stack([cols[n] for n in names], axis=1) @ coef
+    params = _lstsq_dropping_negatives(cols, y, keep={"decode_base_s"})
+    pred = sum(params[n] * cols[n] for n in cols)
     r2 = 1 - float(((y - pred) ** 2).sum() / max(((y - y.mean()) ** 2).sum(), 1e-30))
     p = np.array([x["prompt"] for x in m["prefill"]], float)
     t = np.array([x["time_s"] for x in m["prefill"]])
@@ -263,15 +259,7 @@ def fit_draft(params: dict, d: dict) -> dict:
     n = np.array([r[0] for r in rows], float)
     y = np.array([r[1] for r in rows])
     cols = {"spec_draft_cost": k * (base + per_seq * n), "spec_verify_cost": k * per_seq * n}
-    names = list(cols)
-    while True:
-        coef, *_ = np.linalg.lstsq(np.stack([cols[c] for c in names], axis=1), y, rcond=None)
-        negative = [c for c, v in zip(names, coef) if v < 0]
-        if not negative or len(names) == 1:
-            break
-        names.remove(negative[0])
-    sim = {c: 0.0 for c in cols}
-    sim.update({c: max(0.0, float(v)) for c, v in zip(names, coef)})
+    sim = {c: max(0.0, v) for c, v in _lstsq_dropping_negatives(cols, y).items()}
     pred = sum(sim[c] * cols[c] for c in cols)
     plain = [base + per_seq * x["batch"] for x in d["decode_k0"]]
     k0_ratio = [x["step_s"] / p for x, p in zip(d["decode_k0"], plain)]
