@@ -180,7 +180,8 @@ def measure_draft(llm, vocab: int, batches: list[int], verify_batches: list[int]
                        count_steps=True)
     # Acceptance where the service speculates: in the tail, while at most
     # `tail_seqs` sequences run (the long responses, not the bulk's short ones).
-    _set_depth(llm, [[1, tail_seqs, k], [tail_seqs + 1, max_seqs, 0]])
+    tail_seqs = min(tail_seqs, max_seqs)
+    _set_depth(llm, [[1, tail_seqs, k]] + ([[tail_seqs + 1, max_seqs, 0]] if tail_seqs < max_seqs else []))
     d0, p0 = _spec_counters(llm)
     sp = SamplingParams(n=samples, max_tokens=max_tokens, temperature=1.0)
     t0 = time.perf_counter()

@@ -408,3 +408,27 @@ def test_predict_prices_a_verified_draft_token_as_one_more_sequence(tmp_path):
     spec = next(p for p in rows["priced"] if "spec" in p)
     assert rows["priced"][spec] > rows["free"][spec]
     assert rows["priced"]["static"] == pytest.approx(rows["free"]["static"], rel=0.02)
+
+
+@pytest.mark.vllm
+def test_the_draft_calibration_measures_a_real_engine_with_a_draft_model_attached(tmp_path):
+    """`calibrate --draft bundled` on the bundled model (batches up to 4,
+    the tail's own size): K=0 and verify steps are measured by engine steps,
+    the acceptance on the task's prompts is a rate per position, and the fit
+    lands in `sim_params` for `run --cost-model`."""
+    pytest.importorskip("vllm")
+    from load_tests.calibrate import main as calibrate
+
+    out = tmp_path / "fit.json"
+    assert calibrate(["--quick", "--draft", "bundled", "--batches", "1,4", "--verify-batches", "1,2",
+                      "--task-groups", "2", "--repeats", "1", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    draft = doc["draft_measurements"]
+    assert {x["batch"] for x in draft["decode_k0"]} == {1, 2, 4}
+    assert all(x["step_s"] > 0 for x in draft["decode_k0"] + draft["decode_k"])
+    acceptance = draft["acceptance"]
+    assert acceptance["drafts"] > 0 and len(acceptance["rates"]) == 4
+    assert all(0.0 <= r <= 1.0 for r in acceptance["rates"])
+    sim = doc["sim_params"]
+    assert sim["spec_acceptance"] == [round(r, 4) for r in acceptance["rates"]]
+    assert sim["spec_draft_cost"] >= 0 and sim["spec_verify_cost"] >= 0
