@@ -92,8 +92,11 @@ def test_ray_flag_and_toml_table_select_ray_placement(tmp_path):
 
 
 async def test_sim_actors_serve_push_weights_and_survive_a_killed_actor(cluster):
+    # Steps of 20 ms: the shortest response lasts over a second, so that a
+    # request on sim-1 is seen mid-flight even when a loaded host coalesces
+    # the actor's event batches (at 4 ms a whole response could arrive in one).
     service = RolloutService(ray_config(cluster, kind="sim", num_engines=4, cpus=0.5,
-                                        sim=dict(FAST_SIM, decode_base_s=0.004)))
+                                        sim=dict(FAST_SIM, decode_base_s=0.02)))
     await service.start()
     core = service.core
     try:
