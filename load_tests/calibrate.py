@@ -39,6 +39,15 @@ measured rates), which `load_tests run --cost-model` and `predict` use:
 On a CPU it binds the engine to `--cores` (default: core 0, as one engine of
 a fleet runs) and gives it `VLLM_CPU_KVCACHE_SPACE=1` GiB of KV cache; on a
 GPU those settings are not used. Start-up takes ~20 s on a CPU.
+
+With `--engines N` it calibrates N engines side by side, one per core (engine
+i on core i), each in a process of its own running the same schedule at the
+same time (they wait for each other after start-up), as a fleet's engines
+run: on a CPU they share the memory bus, and an engine alone steps faster
+than one of two. The fit is of the mean step times over the engines; the
+acceptance pools their drafts (each engine drafts on prompts of its own):
+
+    python -m load_tests.calibrate --model DIR --engines 2 --draft bundled --out fit.json
 """
 from __future__ import annotations
 
@@ -47,7 +56,9 @@ import contextlib
 import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -189,11 +200,7 @@ def measure_draft(llm, vocab: int, batches: list[int], verify_batches: list[int]
     d1, p1 = _spec_counters(llm)
     drafts = d1 - d0
     accepted = [b - a for a, b in zip(p0 + [0] * (len(p1) - len(p0)), p1)][:k]
-    rates, before = [], drafts
-    for a in accepted:  # P(position i accepted | positions < i accepted)
-        rates.append(a / before if before else 0.0)
-        before = a
-    length = 1.0 + sum(accepted) / drafts if drafts else 1.0
+    rates, length = _acceptance(drafts, accepted)
     print(f"  acceptance on {len(task_prompts)} task prompts x {samples}, drafting at <= {tail_seqs} sequences "
           f"({time.perf_counter() - t0:.0f} s): "
           f"{length:.2f} tokens per verify, per position " + ", ".join(f"{r:.2f}" for r in rates), flush=True)
@@ -201,6 +208,17 @@ def measure_draft(llm, vocab: int, batches: list[int], verify_batches: list[int]
             "acceptance": {"drafts": drafts, "accepted_per_position": accepted, "rates": rates,
                            "mean_acceptance_length": length, "prompts": len(task_prompts), "samples": samples,
                            "max_tokens": max_tokens, "tail_seqs": tail_seqs}}
+
+
+def _acceptance(drafts: int, accepted: list[int]) -> tuple[list[float], float]:
+    """(acceptance rate per draft position, P(position i accepted | positions
+    < i accepted); mean tokens per verify) from the drafts and the accepted
+    tokens per position."""
+    rates, before = [], drafts
+    for a in accepted:
+        rates.append(a / before if before else 0.0)
+        before = a
+    return rates, (1.0 + sum(accepted) / drafts if drafts else 1.0)
 
 
 def _lstsq_dropping_negatives(cols: dict[str, np.ndarray], y: np.ndarray, keep: frozenset | set = frozenset()) -> dict:
@@ -292,7 +310,8 @@ def calibrate_draft(args, model: str, vocab: int, max_len: int, batches: list[in
     llm = LLM(model=model, dtype=args.dtype, enforce_eager=True, max_model_len=max_len, max_num_seqs=max_seqs,
               enable_prefix_caching=False, seed=0, disable_log_stats=False,
               speculative_config=spec.vllm_speculative_config(max_seqs))
-    workload = generate(1, args.task_groups, seed=0, samples_per_group=4)
+    _barrier(args, "draft-up")
+    workload = generate(1, args.task_groups, seed=args.seed, samples_per_group=4)
     prompts = [list(g.prompt_token_ids) for g in workload.steps[0]]
     try:
         return measure_draft(llm, vocab, batches, [int(b) for b in args.verify_batches.split(",")], args.spec_k,
@@ -301,29 +320,129 @@ def calibrate_draft(args, model: str, vocab: int, max_len: int, batches: list[in
         _shutdown(llm)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="", help="model directory (default: the bundled tiny reasoner)")
-    ap.add_argument("--out", default=str(DEFAULT_OUT), help="where to write the fit (JSON)")
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--batches", default="1,2,4,8,16,32,64", help="running batch sizes to measure")
-    ap.add_argument("--cores", default="0", help="CPU only: cores the engine is bound to (VLLM_CPU_OMP_THREADS_BIND)")
-    ap.add_argument("--kv-gib", default="1", help="CPU only: KV cache (VLLM_CPU_KVCACHE_SPACE, GiB)")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--quick", action="store_true", help="fewer, shorter measurements")
-    ap.add_argument("--draft", default="", metavar="DIR|bundled",
-                    help="also calibrate speculation with this draft model ('bundled': the bundled drafter): "
-                         "a second engine measures steps at K=0 and K=--spec-k and the acceptance on the task's prompts")
-    ap.add_argument("--spec-k", type=int, default=4,
-                    help="with --draft: the depth of the verify steps and of the acceptance measured (the service's largest K)")
-    ap.add_argument("--verify-batches", default="1,2,4,16",
-                    help="with --draft: batch sizes of the verify steps measured (the default schedule speculates up to 16)")
-    ap.add_argument("--task-groups", type=int, default=16,
-                    help="with --draft: tiny-reasoner prompts (x 4 samples) the acceptance is measured on")
-    args = ap.parse_args(argv)
-    if args.draft and args.draft != "bundled" and not (Path(args.draft) / "config.json").is_file():
-        ap.error(f"--draft {args.draft}: not a model directory (no config.json); 'bundled' takes the bundled drafter")
+def _barrier(args, name: str, timeout_s: float = 900.0) -> None:
+    """In a side-by-side calibration: wait until every engine has reached
+    `name` (a file per engine in the shared directory), so that they measure
+    at the same time."""
+    if not args.barrier:
+        return
+    d = Path(args.barrier)
+    (d / f"{name}.{args.index}").touch()
+    deadline = time.monotonic() + timeout_s
+    while len(list(d.glob(f"{name}.*"))) < args.of:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"timed out after {timeout_s:.0f} s waiting for the other engines ({name})")
+        time.sleep(0.05)
 
+
+def _fitted(result: dict) -> dict:
+    """`result` (its measurements and, with a draft model, draft
+    measurements) with the fits added."""
+    result.update(fit(result["measurements"]))
+    if "draft_measurements" in result:
+        spec = fit_draft(result["sim_params"], result["draft_measurements"])
+        result["sim_params"].update(spec.pop("sim_params"))
+        result["draft_fit"] = spec
+    return result
+
+
+def _mean_steps(runs: list[list[dict]]) -> list[dict]:
+    """Decode steps of the same shapes measured on several engines: the mean step."""
+    out = []
+    for rows in zip(*runs):
+        step = statistics.fmean(r["step_s"] for r in rows)
+        tps = [r["tokens_per_s"] for r in rows if r["tokens_per_s"]]
+        out.append({**rows[0], "step_s": step, "tokens_per_s": statistics.fmean(tps) if tps else None,
+                    "step_s_per_engine": [r["step_s"] for r in rows]})
+    return out
+
+
+def merge(results: list[dict]) -> dict:
+    """One calibration from the same schedule measured on engines side by
+    side: mean step and prefill times, the acceptance of all their drafts."""
+    ms = [r["measurements"] for r in results]
+    m = {"decode": _mean_steps([x["decode"] for x in ms]),
+         "prefill": [{**rows[0], "time_s": statistics.fmean(r["time_s"] for r in rows)} for rows in zip(*(x["prefill"] for x in ms))],
+         "decode_tokens": ms[0]["decode_tokens"]}
+    merged = {k: v for k, v in results[0].items() if k not in ("measurements", "draft_measurements")}
+    merged.update(engines=len(results), cores=",".join(str(r["cores"]) for r in results),
+                  load_average=list(os.getloadavg()), measured_at=time.strftime("%Y-%m-%d %H:%M:%S"),
+                  startup_s=max(r["startup_s"] for r in results), measurements=m)
+    if all("draft_measurements" in r for r in results):
+        ds = [r["draft_measurements"] for r in results]
+        acc = [d["acceptance"] for d in ds]
+        drafts = sum(a["drafts"] for a in acc)
+        accepted = [sum(col) for col in zip(*(a["accepted_per_position"] for a in acc))]
+        rates, length = _acceptance(drafts, accepted)
+        merged["draft_measurements"] = {
+            "k": ds[0]["k"], "decode_k0": _mean_steps([d["decode_k0"] for d in ds]),
+            "decode_k": _mean_steps([d["decode_k"] for d in ds]),
+            "acceptance": {**acc[0], "drafts": drafts, "accepted_per_position": accepted, "rates": rates,
+                           "mean_acceptance_length": length, "prompts": sum(a["prompts"] for a in acc),
+                           "samples": acc[0]["samples"],
+                           "mean_acceptance_length_per_engine": [a["mean_acceptance_length"] for a in acc]}}
+    merged = _fitted(merged)
+    merged["per_engine"] = [{"cores": r["cores"], "sim_params": r["sim_params"],
+                             "mean_acceptance_length": r.get("draft_fit", {}).get("mean_acceptance_length")}
+                            for r in results]
+    return merged
+
+
+def _child_args(args) -> list[str]:
+    """The options a side-by-side calibration's engines share."""
+    out = ["--model", args.model or default_model(), "--dtype", args.dtype, "--batches", args.batches,
+           "--kv-gib", args.kv_gib, "--repeats", str(args.repeats), "--spec-k", str(args.spec_k),
+           "--verify-batches", args.verify_batches, "--task-groups", str(args.task_groups)]
+    if args.quick:
+        out.append("--quick")
+    if args.draft:
+        out += ["--draft", args.draft]
+    return out
+
+
+def side_by_side(args) -> dict:
+    """`--engines N`: N calibrations at once, engine i bound to core i, each
+    in a process of its own; their progress lines are prefixed with the
+    engine. Returns the merged calibration."""
+    import threading
+
+    cores = os.cpu_count() or 1
+    if args.engines > cores:
+        print(f"warning: {args.engines} engines on {cores} cores: engines share cores", file=sys.stderr)
+    with tempfile.TemporaryDirectory(prefix="calibrate-") as tmp:
+        procs, readers = [], []
+        for i in range(args.engines):
+            cmd = [sys.executable, "-m", "load_tests.calibrate", *_child_args(args), "--cores", str(i % cores),
+                   "--out", str(Path(tmp) / f"engine-{i}.json"), "--seed", str(args.seed + i),
+                   "--barrier", tmp, "--index", str(i), "--of", str(args.engines)]
+            env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_OMP_THREADS_BIND"}
+            p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True, bufsize=1)
+            procs.append(p)
+
+            def relay(p=p, i=i):
+                for line in p.stdout:
+                    print(f"[engine {i}] {line}", end="", flush=True)
+
+            readers.append(threading.Thread(target=relay, daemon=True))
+            readers[-1].start()
+        try:  # until all are done or one fails (then the others are stopped)
+            while any(p.poll() is None for p in procs) and not any(p.poll() for p in procs):
+                time.sleep(0.2)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.terminate()
+            for t in readers:
+                t.join(timeout=5)
+        failed = [i for i, p in enumerate(procs) if p.wait() != 0]
+        if failed:
+            raise SystemExit(f"side-by-side calibration: engine(s) {', '.join(map(str, failed))} failed "
+                             f"(exit {', '.join(str(procs[i].returncode) for i in failed)}); see their output above")
+        return merge([json.loads((Path(tmp) / f"engine-{i}.json").read_text()) for i in range(args.engines)])
+
+
+def calibrate_one(args) -> dict:
+    """The measurements of one engine (and of its draft-model twin)."""
     model = args.model or default_model()
     config = json.loads((Path(model) / "config.json").read_text())
     max_len = min(int(config.get("max_position_embeddings", 2048)), 4096)
@@ -341,6 +460,7 @@ def main(argv: list[str] | None = None) -> int:
               max_num_seqs=max(batches), enable_prefix_caching=False, seed=0)
     startup = time.perf_counter() - t0
     print(f"  engine up in {startup:.1f} s", flush=True)
+    _barrier(args, "up")
     m = measure(llm, int(config["vocab_size"]), max_len, batches, args.repeats, args.quick)
     draft = None
     if args.draft:
@@ -350,23 +470,67 @@ def main(argv: list[str] | None = None) -> int:
         "model": Path(model).name,
         "device": device,
         "dtype": args.dtype,
+        "engines": 1,
         "cores": args.cores if device == "cpu" else None,
         "kv_cache_gib": float(args.kv_gib) if device == "cpu" else None,
         "startup_s": startup,
         "load_average": list(os.getloadavg()),  # other work on the machine inflates the step times
         "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
-        **fit(m),
         "measurements": m,
     }
     if draft is not None:
         result["draft_measurements"] = draft
-        spec = fit_draft(result["sim_params"], draft)
-        result["sim_params"].update(spec.pop("sim_params"))
-        result["draft_fit"] = spec
+    return _fitted(result)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="", help="model directory (default: the bundled tiny reasoner)")
+    ap.add_argument("--out", default=str(DEFAULT_OUT), help="where to write the fit (JSON)")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--batches", default="1,2,4,8,16,32,64", help="running batch sizes to measure")
+    ap.add_argument("--engines", type=int, default=1,
+                    help="engines calibrated side by side at once, engine i on core i, as a fleet runs them "
+                         "(CPU: they share the memory bus); the fit is of their mean step times")
+    ap.add_argument("--cores", default="0", help="CPU only, one engine: cores it is bound to (VLLM_CPU_OMP_THREADS_BIND)")
+    ap.add_argument("--kv-gib", default="1", help="CPU only: KV cache (VLLM_CPU_KVCACHE_SPACE, GiB)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="fewer, shorter measurements")
+    ap.add_argument("--draft", default="", metavar="DIR|bundled",
+                    help="also calibrate speculation with this draft model ('bundled': the bundled drafter): "
+                         "a second engine measures steps at K=0 and K=--spec-k and the acceptance on the task's prompts")
+    ap.add_argument("--spec-k", type=int, default=4,
+                    help="with --draft: the depth of the verify steps and of the acceptance measured (the service's largest K)")
+    ap.add_argument("--verify-batches", default="1,2,4,16",
+                    help="with --draft: batch sizes of the verify steps measured (the default schedule speculates up to 16)")
+    ap.add_argument("--task-groups", type=int, default=16,
+                    help="with --draft: tiny-reasoner prompts (x 4 samples) the acceptance is measured on")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="with --draft: seed of the task's prompts (engine i of --engines N takes seed + i)")
+    # The engines of a side-by-side calibration: a shared directory to meet in.
+    ap.add_argument("--barrier", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--of", type=int, default=1, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.draft and args.draft != "bundled" and not (Path(args.draft) / "config.json").is_file():
+        ap.error(f"--draft {args.draft}: not a model directory (no config.json); 'bundled' takes the bundled drafter")
+    if args.engines < 1:
+        ap.error(f"--engines {args.engines}: at least 1")
+    if args.model and not (Path(args.model) / "config.json").is_file():
+        ap.error(f"--model {args.model}: not a model directory (no config.json)")
+
+    result = side_by_side(args) if args.engines > 1 else calibrate_one(args)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
+    if args.barrier:
+        return 0  # an engine of a side-by-side calibration: the parent prints the merged fit
     print(json.dumps({k: result[k] for k in ("model", "device", "sim_params", "decode_fit_r2", "max_relative_error")}, indent=2))
+    for e in result.get("per_engine", []):
+        p = e["sim_params"]
+        print(f"  engine on core {e['cores']}: base {p['decode_base_s'] * 1e3:.1f} ms, "
+              f"per sequence {p['decode_per_seq_s'] * 1e3:.2f} ms"
+              + (f", acceptance {e['mean_acceptance_length']:.2f}" if e["mean_acceptance_length"] else ""))
     print(f"wrote {out}", flush=True)
     return 0
 

@@ -411,24 +411,31 @@ def test_predict_prices_a_verified_draft_token_as_one_more_sequence(tmp_path):
 
 
 @pytest.mark.vllm
-def test_the_draft_calibration_measures_a_real_engine_with_a_draft_model_attached(tmp_path):
-    """`calibrate --draft bundled` on the bundled model (batches up to 4,
-    the tail's own size): K=0 and verify steps are measured by engine steps,
-    the acceptance on the task's prompts is a rate per position, and the fit
-    lands in `sim_params` for `run --cost-model`."""
+def test_the_draft_calibration_measures_real_engines_side_by_side_with_a_draft_model_attached(tmp_path):
+    """`calibrate --engines 2 --draft bundled` on the bundled model (batches
+    up to 4, the tail's own size): two engines, one per core, measure at
+    once; K=0 and verify steps are measured by engine steps, the fit is of
+    the engines' mean steps, the acceptance pools both engines' drafts (on
+    prompts of their own) as a rate per position, and the fit lands in
+    `sim_params` for `run --cost-model`."""
     pytest.importorskip("vllm")
     from load_tests.calibrate import main as calibrate
 
     out = tmp_path / "fit.json"
-    assert calibrate(["--quick", "--draft", "bundled", "--batches", "1,4", "--verify-batches", "1,2",
+    assert calibrate(["--engines", "2", "--quick", "--draft", "bundled", "--batches", "1,4", "--verify-batches", "1,2",
                       "--task-groups", "2", "--repeats", "1", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
+    assert doc["engines"] == 2 and [e["cores"] for e in doc["per_engine"]] == ["0", "1"]
+    for row in doc["measurements"]["decode"]:
+        assert len(row["step_s_per_engine"]) == 2 and row["step_s"] == pytest.approx(sum(row["step_s_per_engine"]) / 2)
     draft = doc["draft_measurements"]
     assert {x["batch"] for x in draft["decode_k0"]} == {1, 2, 4}
     assert all(x["step_s"] > 0 for x in draft["decode_k0"] + draft["decode_k"])
     acceptance = draft["acceptance"]
-    assert acceptance["drafts"] > 0 and len(acceptance["rates"]) == 4
+    assert acceptance["drafts"] > 0 and len(acceptance["rates"]) == 4 and acceptance["prompts"] == 4
     assert all(0.0 <= r <= 1.0 for r in acceptance["rates"])
+    lengths = acceptance["mean_acceptance_length_per_engine"]
+    assert min(lengths) <= acceptance["mean_acceptance_length"] <= max(lengths)
     sim = doc["sim_params"]
     assert sim["spec_acceptance"] == [round(r, 4) for r in acceptance["rates"]]
     assert sim["spec_draft_cost"] >= 0 and sim["spec_verify_cost"] >= 0
