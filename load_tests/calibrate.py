@@ -3,14 +3,19 @@
 Measures, on one vLLM engine:
 
 - decode-step time against the running batch size B (and the batch's
-  context): B sequences decode T1 and then T2 tokens (end token ignored);
-  the difference divided by T2 - T1 is one step at batch B, free of prefill;
+  context): B sequences decode T2 tokens (end token ignored), and the time
+  between the tokens of the request prefilled last (vLLM's per-request
+  timestamps) is one step at batch B, free of prefill, even when the
+  batch's prefill takes many seconds (64 prompts of 448 tokens);
 - prefill time against prompt length: one prompt, one output token.
 
 and fits `SimParams`' cost model by least squares
 
-    step(B, ctx) = decode_base_s + decode_per_seq_s * B + decode_per_ctx_token_s * ctx
+    step(B, ctx) = max(decode_floor_s, decode_base_s + decode_per_seq_s * B) + decode_per_ctx_token_s * ctx
     prefill(P)   = prefill_per_token_s * P   (slope of one-token generations)
+
+(the floor: the median step at batches up to 4, where a step is memory-bound
+and flat; the linear terms: fitted to the steps above it);
 
 then writes the fit (and the raw measurements) to a JSON file and prints it.
 Load tests use `load_tests/calibration/tiny_reasoner_cpu.json` for the
@@ -108,21 +113,47 @@ def _timed_steps(llm, prompts, max_tokens: int, repeats: int, count_steps: bool 
     return statistics.median(times), statistics.median(steps)
 
 
+def _decode_step(llm, prompts, max_tokens: int, repeats: int) -> float:
+    """One decode step at the batch of `prompts`, free of prefill: the time
+    between the tokens of the request whose first token came last (by then
+    every prompt is prefilled, so each of its steps decodes the whole batch
+    but for the last few, after the first-prefilled requests end: as many as
+    the prefill took steps); median over the repeats. vLLM's per-request
+    timestamps need the engine's log stats on."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True, temperature=1.0)
+    steps = []
+    for _ in range(repeats):
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        if any(o.metrics is None for o in outs):
+            raise RuntimeError("vLLM returned no request timestamps (start the engine with log stats on)")
+        last = max(outs, key=lambda o: o.metrics.first_token_ts)
+        steps.append((last.metrics.last_token_ts - last.metrics.first_token_ts) / (max_tokens - 1))
+    return statistics.median(steps)
+
+
 def _decode_steps(llm, shapes, vocab: int, t1: int, t2: int, repeats: int, rng, label: str = "",
                   count_steps: bool = False) -> list[dict]:
     """One decode step's time at each (batch, prompt length): B sequences
-    decode t1 and then t2 tokens; the difference over the extra steps. With
-    speculation a step yields more than one token, so `count_steps` divides
-    by the engine steps counted instead of the tokens."""
+    decode t2 tokens, timed between the tokens once all are prefilled
+    (`_decode_step`). A speculative step yields more than one token, so with
+    `count_steps` B sequences decode t1 and then t2 tokens, and the
+    difference in time is divided by the difference in engine steps vLLM
+    counted (short prompts: their prefill is one step either way)."""
     out = []
     for b, p in shapes:
         prompts = _prompts(b, p, vocab, rng)
-        (short, s1), (long, s2) = (_timed_steps(llm, prompts, t, repeats, count_steps) for t in (t1, t2))
-        extra = max(s2 - s1, 1) if count_steps else t2 - t1
-        step = (long - short) / extra
-        ctx = b * (p + (t1 + t2) / 2)  # mean context of the batch over the extra steps
-        out.append({"batch": b, "prompt": p, "context_tokens": ctx, "step_s": step,
-                    "tokens_per_s": b * (t2 - t1) / (long - short) if long > short else None})
+        if count_steps:
+            (short, s1), (long, s2) = (_timed_steps(llm, prompts, t, repeats, True) for t in (t1, t2))
+            step = (long - short) / max(s2 - s1, 1)
+            ctx = b * (p + (t1 + t2) / 2)  # mean context of the batch over the extra steps
+            tps = b * (t2 - t1) / (long - short) if long > short else None
+        else:
+            step = _decode_step(llm, prompts, t2, repeats)
+            ctx = b * (p + t2 / 2)  # mean context of the batch over the steps timed
+            tps = b / step if step > 0 else None
+        out.append({"batch": b, "prompt": p, "context_tokens": ctx, "step_s": step, "tokens_per_s": tps})
         print(f"  {label}decode batch {b:>3} prompt {p:>4}: {step * 1e3:7.3f} ms/step, "
               f"{out[-1]['tokens_per_s'] or 0:8.0f} tokens/s", flush=True)
     return out
@@ -137,7 +168,7 @@ def measure(llm, vocab: int, max_len: int, batches: list[int], repeats: int, qui
     t1, t2 = decode_tokens(quick)
     prompt_short = 16
     prompt_long = min(448, max_len - t2 - 8)
-    _timed(llm, _prompts(4, prompt_short, vocab, rng), t1, 1)  # warm-up
+    _timed(llm, _prompts(4, prompt_short, vocab, rng), t2, 1)  # warm-up (a short one left batch 1 slower than 4)
 
     shapes = [(b, prompt_short) for b in batches] + [(16, prompt_long), (max(batches), prompt_long)]
     decode = _decode_steps(llm, shapes, vocab, t1, t2, repeats, rng)
@@ -150,7 +181,8 @@ def measure(llm, vocab: int, max_len: int, batches: list[int], repeats: int, qui
         t = _timed(llm, _prompts(1, p, vocab, rng), 1, repeats)
         prefill.append({"prompt": p, "time_s": t})
         print(f"  prefill {p:>4} tokens: {t * 1e3:7.2f} ms", flush=True)
-    return {"decode": decode, "prefill": prefill, "decode_tokens": [t1, t2]}
+    return {"decode": decode, "prefill": prefill, "decode_tokens": [t1, t2],
+            "decode_timing": "time between the tokens of the last-prefilled request, t2 tokens"}
 
 
 def _spec_counters(llm) -> tuple[int, list[int]]:
@@ -237,15 +269,40 @@ def _lstsq_dropping_negatives(cols: dict[str, np.ndarray], y: np.ndarray, keep: 
     return out
 
 
+FLOOR_BATCH = 4  # steps at this batch and below, short prompts: the memory-bound floor
+
+
 def fit(m: dict) -> dict:
-    """Least-squares cost model from the measurements (negative terms dropped)."""
+    """Least-squares cost model from the measurements (negative terms dropped).
+
+    A step is memory-bound at small batches (flat: it streams the weights
+    whatever the batch) and grows with the batch past that, so the fit is
+
+        step(B, ctx) = max(decode_floor_s, decode_base_s + decode_per_seq_s * B) + decode_per_ctx_token_s * ctx
+
+    with the floor the median step at batches <= FLOOR_BATCH (short
+    prompts) and the linear terms fitted to the steps above 1.1x the floor.
+    With fewer than three of those the linear terms are fitted to every step
+    and there is no floor."""
     d = m["decode"]
+    short = min(x["prompt"] for x in d)
+    small = [x["step_s"] for x in d if x["batch"] <= FLOOR_BATCH and x["prompt"] == short]
+    floor = float(statistics.median(small)) if small else 0.0
+    rows = [x for x in d if x["step_s"] > 1.1 * floor]
+    if len(rows) < 3 or floor == 0.0:
+        rows, floor = d, 0.0
+
+    def columns(xs):
+        return {"decode_base_s": np.ones(len(xs)),
+                "decode_per_seq_s": np.array([x["batch"] for x in xs], float),
+                "decode_per_ctx_token_s": np.array([x["context_tokens"] for x in xs], float)}
+
+    params = _lstsq_dropping_negatives(columns(rows), np.array([x["step_s"] for x in rows]), keep={"decode_base_s"})
+    params["decode_floor_s"] = floor
+    cols = columns(d)
     y = np.array([x["step_s"] for x in d])
-    cols = {"decode_base_s": np.ones(len(d)),
-            "decode_per_seq_s": np.array([x["batch"] for x in d], float),
-            "decode_per_ctx_token_s": np.array([x["context_tokens"] for x in d], float)}
-    params = _lstsq_dropping_negatives(cols, y, keep={"decode_base_s"})
-    pred = sum(params[n] * cols[n] for n in cols)
+    pred = (np.maximum(floor, params["decode_base_s"] + params["decode_per_seq_s"] * cols["decode_per_seq_s"])
+            + params["decode_per_ctx_token_s"] * cols["decode_per_ctx_token_s"])
     r2 = 1 - float(((y - pred) ** 2).sum() / max(((y - y.mean()) ** 2).sum(), 1e-30))
     p = np.array([x["prompt"] for x in m["prefill"]], float)
     t = np.array([x["time_s"] for x in m["prefill"]])
@@ -457,7 +514,7 @@ def calibrate_one(args) -> dict:
     print(f"calibrating {model} on vLLM {device} ({args.dtype}); starting the engine...", flush=True)
     t0 = time.perf_counter()
     llm = LLM(model=model, dtype=args.dtype, enforce_eager=True, max_model_len=max_len,
-              max_num_seqs=max(batches), enable_prefix_caching=False, seed=0)
+              max_num_seqs=max(batches), enable_prefix_caching=False, seed=0, disable_log_stats=False)
     startup = time.perf_counter() - t0
     print(f"  engine up in {startup:.1f} s", flush=True)
     _barrier(args, "up")
@@ -486,7 +543,8 @@ def calibrate_one(args) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="", help="model directory (default: the bundled tiny reasoner)")
-    ap.add_argument("--out", default=str(DEFAULT_OUT), help="where to write the fit (JSON)")
+    ap.add_argument("--out", default="", help=f"where to write the fit (JSON; default {DEFAULT_OUT.name} in "
+                                               "load_tests/calibration, with --refit the file refitted)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--batches", default="1,2,4,8,16,32,64", help="running batch sizes to measure")
     ap.add_argument("--engines", type=int, default=1,
@@ -505,6 +563,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --draft: batch sizes of the verify steps measured (the default schedule speculates up to 16)")
     ap.add_argument("--task-groups", type=int, default=16,
                     help="with --draft: tiny-reasoner prompts (x 4 samples) the acceptance is measured on")
+    ap.add_argument("--refit", metavar="JSON",
+                    help="measure nothing: fit the cost model again to the measurements stored in this calibration "
+                         "file (with the current fit) and write it to --out")
     ap.add_argument("--seed", type=int, default=0,
                     help="with --draft: seed of the task's prompts (engine i of --engines N takes seed + i)")
     # The engines of a side-by-side calibration: a shared directory to meet in.
@@ -519,8 +580,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.model and not (Path(args.model) / "config.json").is_file():
         ap.error(f"--model {args.model}: not a model directory (no config.json)")
 
-    result = side_by_side(args) if args.engines > 1 else calibrate_one(args)
-    out = Path(args.out)
+    if args.refit:
+        result = json.loads(Path(args.refit).read_text())
+        result.pop("draft_fit", None)
+        result = _fitted({**result, "refitted_at": time.strftime("%Y-%m-%d %H:%M:%S")})
+    else:
+        result = side_by_side(args) if args.engines > 1 else calibrate_one(args)
+    out = Path(args.out or args.refit or DEFAULT_OUT)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     if args.barrier:
