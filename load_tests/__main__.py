@@ -25,7 +25,8 @@ from load_tests.workloads import WORKLOADS, load_workload
 from rollout_service.engines.sim import SimParams
 from load_tests.policies import parse_policies
 
-COST_FIELDS = ("decode_base_s", "decode_per_seq_s", "decode_per_ctx_token_s", "prefill_per_token_s", "weight_update_s",
+COST_FIELDS = ("decode_base_s", "decode_per_seq_s", "decode_per_ctx_token_s", "decode_floor_s", "prefill_per_token_s",
+               "weight_update_s",
                "spec_draft_cost", "spec_verify_cost", "spec_acceptance")  # the last three: `calibrate --draft`
 
 
@@ -77,6 +78,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="a calibration file (load_tests/calibrate.py) of the same engines")
     q.add_argument("--sim", action="append", default=[], metavar="FIELD=VALUE", help="cost-model overrides")
     q.add_argument("--out", help="write the rows as JSON here")
+    q.add_argument("--plot", metavar="PNG", help="plot each policy's step makespans, measured beside predicted, here")
     a = sub.add_parser("predictor", help="rank correlation of the length predictor with the true lengths on a replay")
     a.add_argument("--workload", default="math,code,video", help="comma list, as for run")
     a.add_argument("--engines", default="8", help="engines in the fleet (comma list: each)")
@@ -187,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         print(predict.markdown(rows))
         if args.out:
             Path(args.out).write_text(json.dumps(rows, indent=2))
+        if args.plot:
+            print(f"plot: {predict.plot(rows, Path(args.plot), f'{args.dir} predicted with {Path(args.cost_model).name}')}")
         return 0
     if args.command == "predictor":
         from load_tests import predictor_accuracy

@@ -29,6 +29,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+
 from load_tests.policies import parse_policy
 from load_tests.report import measured_dir
 from load_tests.runner import RunConfig, run_policy
@@ -59,13 +61,45 @@ def predict(report_dir: Path, sim: dict, progress: bool = False) -> list[dict]:
                         need_groups=cfg.get("need_groups"), progress=progress,
                         over_provision=cfg.get("over_provision", 2.0), max_version_lag=cfg.get("max_version_lag", 1),
                         train_s=cfg.get("train_s", 0.0))
-        predicted = run_policy(run, parse_policy(policy)).summary
+        result = run_policy(run, parse_policy(policy))
+        predicted = result.summary
         row = {"policy": policy, "weight_push_s": push_s}
         for key, _ in FIGURES:
             m, p = float(measured.get(key, 0.0)), float(predicted.get(key, 0.0))
             row[key] = {"measured": m, "predicted": p, "error": (p / m - 1.0) if m else None}
+        row["step_makespans_s"] = {"measured": [float(s["makespan_s"]) for s in measured.get("per_step", [])],
+                                   "predicted": [float(s["makespan_s"]) for s in result.steps]}
         rows.append(row)
     return rows
+
+
+def plot(rows: list[dict], out: Path, title: str = "") -> Path:
+    """Each policy's step makespans, measured beside predicted, one panel a policy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(rows), figsize=(4.2 * len(rows), 3.4), sharey=True, squeeze=False)
+    for ax, r in zip(axes[0], rows):
+        steps = r["step_makespans_s"]
+        n = max(len(steps["measured"]), len(steps["predicted"]))
+        x = np.arange(1, n + 1)
+        ax.bar(x - 0.2, steps["measured"] + [0.0] * (n - len(steps["measured"])), 0.4, label="measured")
+        ax.bar(x + 0.2, steps["predicted"] + [0.0] * (n - len(steps["predicted"])), 0.4, label="predicted")
+        err = r["makespan_s"]["error"]
+        ax.set_title(f"{r['policy']}\nmean makespan {err:+.0%}" if err is not None else r["policy"], fontsize=9)
+        ax.set_xlabel("step")
+        ax.set_xticks(x)
+    axes[0][0].set_ylabel("step makespan, s")
+    axes[0][0].legend(fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
 
 
 def markdown(rows: list[dict]) -> str:

@@ -174,6 +174,36 @@ def test_a_calibration_file_sets_the_simulated_cost_model(tmp_path):
     assert {k: cost[k] for k in fit["sim_params"]} == fit["sim_params"]
 
 
+def test_the_calibration_fits_a_memory_bound_floor_and_the_simulated_tail_pays_it(tmp_path):
+    """A step flat from batch 1 to 4 (memory-bound) and growing past it:
+    `calibrate`'s fit recovers the floor and the linear terms above it, and
+    a simulated fleet given the fit runs its tail at the floor: the same
+    static run takes longer than with the linear terms alone."""
+    from load_tests.calibrate import fit
+
+    floor, base, per_seq, ctx = 0.045, 0.030, 0.0026, 1e-6
+
+    def step(b, p):
+        c = b * (p + 72)
+        return {"batch": b, "prompt": p, "context_tokens": c, "step_s": max(floor, base + per_seq * b) + ctx * c}
+
+    m = {"decode": [step(b, 16) for b in (1, 2, 4, 16, 64)] + [step(16, 448), step(64, 448)],
+         "prefill": [{"prompt": 32, "time_s": 0.1}, {"prompt": 128, "time_s": 0.4}]}
+    got = fit(m)
+    sim = got["sim_params"]
+    assert sim["decode_floor_s"] == pytest.approx(floor + ctx * 88, rel=0.05)
+    assert sim["decode_base_s"] == pytest.approx(base, rel=1e-6) and sim["decode_per_seq_s"] == pytest.approx(per_seq, rel=1e-6)
+    assert got["max_relative_error"] < 0.05
+    makespans = {}
+    for name, params in (("floor", sim), ("linear", {**sim, "decode_floor_s": 0.0})):
+        (tmp_path / f"{name}.json").write_text(json.dumps({"sim_params": params}))
+        out = tmp_path / name
+        assert main(["run", "--workload", "math", "--engines", "2", "--policy", "static", "--quick", "--quiet",
+                     "--no-plots", "--cost-model", str(tmp_path / f"{name}.json"), "--report", str(out)]) == 0
+        makespans[name] = json.loads((out / "report.json").read_text())["results"]["static"]["makespan_s"]
+    assert makespans["floor"] > 1.05 * makespans["linear"]
+
+
 def test_the_draft_calibration_recovers_the_speculation_costs_it_was_measured_with():
     """`calibrate --draft` fits the simulated engine's draft and verify costs
     to verify steps measured against K = 0 steps of the same engine: steps
@@ -376,13 +406,20 @@ def test_a_real_time_run_writes_what_was_generated_and_predict_replays_it(tmp_pa
     fit = tmp_path / "fit.json"
     fit.write_text(json.dumps({"sim_params": {"decode_base_s": 0.004, "decode_per_seq_s": 0.00015}}))
     capsys.readouterr()
-    assert main(["predict", str(out), "--cost-model", str(fit), "--out", str(tmp_path / "rows.json")]) == 0
+    assert main(["predict", str(out), "--cost-model", str(fit), "--out", str(tmp_path / "rows.json"),
+                 "--plot", str(tmp_path / "steps.png")]) == 0
     printed = capsys.readouterr().out
     assert "| static |" in printed and "| least-assigned+partial |" in printed
     rows = json.loads((tmp_path / "rows.json").read_text())
     for row in rows:
         for key in ("makespan_s", "step_time_s", "groups_per_s_with_trainer"):
             assert row[key]["measured"] > 0 and row[key]["predicted"] > 0
+        # Step by step, measured beside predicted: where a prediction goes wrong.
+        steps = row["step_makespans_s"]
+        assert len(steps["measured"]) == len(steps["predicted"]) == 2
+        for side in ("measured", "predicted"):
+            assert sum(steps[side]) / 2 == pytest.approx(row["makespan_s"][side])
+    assert (tmp_path / "steps.png").stat().st_size > 10_000
     with pytest.raises(SystemExit, match="virtual time"):
         virtual = tmp_path / "virtual"
         main(["run", "--workload", "math", "--quick", "--report", str(virtual), "--no-plots", "--quiet"])

@@ -5,10 +5,14 @@ machine cannot run; it never stands in for a feature claimed to work on vLLM.
 
 Cost model (seconds), one engine step:
 
-    step = decode_base_s
-         + decode_per_seq_s * running
+    step = max(decode_floor_s, decode_base_s + decode_per_seq_s * running)
          + decode_per_ctx_token_s * context tokens of the running batch
          + prefill_per_token_s * tokens prefilled in this step
+
+`decode_floor_s` (0: none) is the memory-bound floor: at a small batch a step
+streams the weights whatever the batch, so its cost is flat before it grows
+with the batch (a 0.1B model on one CPU core: ~45 ms from 1 to 4
+sequences, then ~2.8 ms a sequence; a GPU stays flat much longer).
 
 KV capacity (`kv_capacity_tokens`) bounds concurrency: a waiting request is
 admitted only if its context fits, and when the running batch outgrows the
@@ -53,8 +57,8 @@ With depth K = schedule(batch size n), per-position acceptance rates a_i
 (the chance that draft token i is accepted once tokens 1..i-1 were) and a
 draft step costing `spec_draft_cost` target steps, one verify step lasts
 
-    verify = decode_base_s + decode_per_seq_s * n * (1 + spec_verify_cost * K)
-    draft  = K * spec_draft_cost * (decode_base_s + decode_per_seq_s * n)
+    verify = max(decode_floor_s, decode_base_s + decode_per_seq_s * n * (1 + spec_verify_cost * K))
+    draft  = K * spec_draft_cost * max(decode_floor_s, decode_base_s + decode_per_seq_s * n)
 
 and yields L(K) = 1 + sum_i prod_{j<=i} a_j tokens per sequence, so the
 engine emits one token per sequence every (verify + draft) / L seconds. A
@@ -103,6 +107,8 @@ class SimParams:
     decode_base_s: float = 0.004
     decode_per_seq_s: float = 0.00015
     decode_per_ctx_token_s: float = 0.0
+    # The least a decode step costs (memory-bound at small batches); 0: none.
+    decode_floor_s: float = 0.0
     prefill_per_token_s: float = 0.00002
     weight_update_s: float = 0.05
     # A run of steps delivers its tokens when it ends: at most this many steps,
@@ -552,7 +558,7 @@ class SimEngine:
             steps = min(steps, 32)
         # With speculation a step of the run is one token per sequence: a
         # verify step (plus its drafts) divided by the tokens it yields.
-        per_step_s = p.decode_base_s + p.decode_per_seq_s * n
+        per_step_s = max(p.decode_floor_s, p.decode_base_s + p.decode_per_seq_s * n)
         k = self._monitor.k_for(n) if self._monitor.cfg.enabled else 0
         length, profile = 1.0, []
         if k == 0 and p.spec_method == "draft_model":
@@ -562,7 +568,7 @@ class SimEngine:
         if k > 0:
             profile = p.acceptance_profile(k, self._version - self._draft_policy_version)
             length = 1.0 + sum(profile)
-            verify = p.decode_base_s + p.decode_per_seq_s * n * (1 + p.spec_verify_cost * k)
+            verify = max(p.decode_floor_s, p.decode_base_s + p.decode_per_seq_s * n * (1 + p.spec_verify_cost * k))
             draft_cost = p.spec_ngram_draft_cost if p.spec_method in ("ngram", "siblings") else p.spec_draft_cost
             per_step_s = (verify + k * draft_cost * per_step_s) / length
         return _Run(
