@@ -48,8 +48,8 @@ GPU those settings are not used. Start-up takes ~20 s on a CPU.
 With `--engines N` it calibrates N engines side by side, one per core (engine
 i on core i), each in a process of its own running the same schedule at the
 same time (they wait for each other after start-up), as a fleet's engines
-run: on a CPU they share the memory bus, and an engine alone steps faster
-than one of two. The fit is of the mean step times over the engines; the
+run: on a CPU they share the memory bus, and an engine alone may step
+faster than one of two. The fit is of the mean step times over the engines; the
 acceptance pools their drafts (each engine drafts on prompts of its own):
 
     python -m load_tests.calibrate --model DIR --engines 2 --draft bundled --out fit.json
