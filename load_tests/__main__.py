@@ -55,6 +55,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--train-s", type=float, default=0.0,
                    help="closed loop: a trainer stand-in computes this many seconds per step (on hardware of its "
                         "own) between the hand-over and the weight push")
+    r.add_argument("--warmup-steps", type=int, default=0,
+                   help="closed loop: run the workload's first N steps once on each fresh fleet, unmeasured and "
+                        "without a weight push, before the measured steps (a fresh engine's first batches are slower)")
     r.add_argument("--length-scale", type=float, default=1.0, help="multiply prompt and response lengths")
     r.add_argument("--mode", choices=["closed", "open"], default="closed", help="closed loop (RL steps) or open loop")
     r.add_argument("--rate", type=float, default=0.0, help="open loop: groups per second")
@@ -125,6 +128,7 @@ def run_one(args, workload_name: str, engines: int, out: Path | None) -> dict:
         kv_tokens=args.kv_tokens, sim={**_cost_model(args.cost_model), **_sim_overrides(args.sim)}, seed=args.seed, mode=args.mode, rate=args.rate,
         need_groups=args.need_groups, model=args.model, progress=not args.quiet,
         over_provision=args.over_provision, max_version_lag=args.max_version_lag, train_s=args.train_s,
+        warmup_steps=args.warmup_steps,
     )
     cfg.check()
     d = workload.describe()
@@ -145,7 +149,7 @@ def run_one(args, workload_name: str, engines: int, out: Path | None) -> dict:
         "mode": args.mode, "rate": args.rate, "need_groups": args.need_groups, "quick": args.quick,
         "sim": cfg.sim, "cost_model_file": args.cost_model, "policies": [p.name for p in policies],
         "model": args.model, "max_tokens": workload.max_tokens, "over_provision": args.over_provision,
-        "max_version_lag": args.max_version_lag, "train_s": args.train_s,
+        "max_version_lag": args.max_version_lag, "train_s": args.train_s, "warmup_steps": args.warmup_steps,
     }
     if out is not None:
         path = write_json(out, config, workload, results)

@@ -48,6 +48,7 @@ class RunConfig:
     over_provision: float = 2.0  # policy "partial": groups in flight per group a step needs
     max_version_lag: int = 1  # policy "partial": staleness bound (-1: none)
     train_s: float = 0.0  # closed loop: the trainer stand-in's compute per step
+    warmup_steps: int = 0  # closed loop: the workload's first steps run once, unmeasured, before the run
 
     def check(self) -> None:
         if self.clock not in ("virtual", "real"):
@@ -60,6 +61,10 @@ class RunConfig:
             raise ValueError(f"engines must be >= 1, got {self.engines}")
         if self.mode not in ("closed", "open"):
             raise ValueError(f"mode must be 'closed' or 'open', got {self.mode!r}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.warmup_steps and self.mode != "closed":
+            raise ValueError("warm-up steps are for the closed loop (--mode closed)")
         if self.train_s < 0:
             raise ValueError(f"train_s must be >= 0 seconds, got {self.train_s}")
         if self.mode == "open" and self.rate <= 0:
@@ -194,6 +199,14 @@ async def run_async(cfg: RunConfig, policy: PolicySpec, on_fleet=None) -> RunRes
             if cfg.progress:
                 _progress(policy.name, m, n_steps, wall0)
 
+        warmup_s = 0.0
+        if cfg.warmup_steps:
+            if cfg.progress:
+                print(f"  [{policy.name}] warm-up: {cfg.warmup_steps} step(s), not measured", file=sys.stderr, flush=True)
+            warmup_s = await driver.warm_up(fleet.target, w, fleet.vocab_size, run_id=policy.name,
+                                            steps=cfg.warmup_steps)
+            if cfg.progress:
+                print(f"  [{policy.name}] warm-up done in {warmup_s:.1f} s", file=sys.stderr, flush=True)
         probe.start()
         extra = {}
         try:
@@ -224,6 +237,7 @@ async def run_async(cfg: RunConfig, policy: PolicySpec, on_fleet=None) -> RunRes
         "policy": policy.name,
         "duplicate_samples": duplicates,
         "wall_s": time.perf_counter() - wall0,
+        "warmup_s": warmup_s,
         "cost_model": {"source": cost_source, **{k: getattr(cost, k) for k in cost.__dataclass_fields__}},
     })
     if keep_tokens:

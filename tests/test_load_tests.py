@@ -384,17 +384,25 @@ def test_a_trainer_stand_in_is_part_of_each_step_and_partial_rollout_fills_it():
     assert partial["samples_delivered_with_drain"] == partial["samples_submitted"]
     with pytest.raises(ValueError, match="train_s"):
         RunConfig(w, engines=2, train_s=-1).check()
+    with pytest.raises(ValueError, match="warm-up"):
+        RunConfig(w, engines=2, mode="open", rate=1.0, warmup_steps=1).check()
 
 
 def test_a_real_time_run_writes_what_was_generated_and_predict_replays_it(tmp_path, capsys):
     """A run in real time writes each policy's generated lengths as a trace
-    (every group of every step, partial rollout's drained groups too);
-    `predict` replays each policy's own trace in virtual time and prints
-    measured and predicted figures side by side."""
+    (every group of every step, partial rollout's drained groups too, none
+    of the unmeasured warm-up step's); `predict` replays each policy's own
+    trace in virtual time and prints measured and predicted figures side by
+    side."""
     out = tmp_path / "measured-run"
     assert main(["run", "--workload", "math", "--engines", "2", "--clock", "real", "--length-scale", "0.05",
                  "--steps", "2", "--groups-per-step", "4", "--policy", "static,partial", "--train-s", "0.2",
-                 "--report", str(out), "--no-plots", "--quiet"]) == 0
+                 "--warmup-steps", "1", "--report", str(out), "--no-plots", "--quiet"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["config"]["warmup_steps"] == 1
+    for summary in report["results"].values():
+        assert summary["warmup_s"] > 0  # it ran, before the measured steps
+        assert summary["samples_submitted"] == 2 * 4 * 8  # and none of its samples is counted
     w = load_workload("math", length_scale=0.05, steps=2, groups_per_step=4)
     from load_tests.workloads import polytrace
 
