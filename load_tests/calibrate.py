@@ -53,6 +53,18 @@ faster than one of two. The fit is of the mean step times over the engines; the
 acceptance pools their drafts (each engine drafts on prompts of its own):
 
     python -m load_tests.calibrate --model DIR --engines 2 --draft bundled --out fit.json
+
+With `--service` it measures the same schedule through the rollout service:
+`--engines` vLLM engines behind the gRPC server, started as `load_tests run
+--engine vllm` starts them, each shape B fixed-length requests per engine
+(`min_tokens` = `max_tokens`) sent by the real client, each step timed on
+the service's clock between the tokens of the request prefilled last. What
+the fleet pays beyond the engines themselves (the service's processing of
+every token, the stream to the client, on the same cores) is then in the
+fit. Its engines are plain; the speculation terms are fitted to the draft
+measurements of another calibration (`--draft-from`, one with `--draft`):
+
+    python -m load_tests.calibrate --model DIR --service --engines 2 --draft-from fit.json --out served.json
 """
 from __future__ import annotations
 
@@ -498,6 +510,117 @@ def side_by_side(args) -> dict:
         return merge([json.loads((Path(tmp) / f"engine-{i}.json").read_text()) for i in range(args.engines)])
 
 
+async def _service_steps(args, model: str, vocab: int, max_len: int, batches: list[int]) -> dict:
+    """`measure`'s schedule through the rollout service: N vLLM engines
+    behind the gRPC server, as `load_tests run --engine vllm` starts them
+    (least-assigned placement, a batch cap of the largest batch), talked to
+    by the real client. A shape of batch B puts B one-sample groups of fixed
+    length (`min_tokens` = `max_tokens` = t2) on each engine at once; its
+    step is, per engine, the time between the first and the last token of
+    the request whose first token came last, on the service's clock (what
+    the service saw of the engine: its output processing and streaming to
+    the client share the cores with the engines), the mean over the
+    engines. Prefill: one prompt per engine, one token, submission to first
+    token."""
+    import asyncio
+
+    from load_tests.policies import parse_policy
+    from load_tests.targets import FleetSpec, grpc_fleet
+    from trainer_client import PromptGroup
+
+    rng = np.random.default_rng(args.seed)
+    t1, t2 = decode_tokens(args.quick)
+    n = args.engines
+    spec = FleetSpec(engines=n, policy=parse_policy("least-assigned"), kind="vllm", max_seqs=max(batches), model=model,
+                     kv_cache_gib=float(args.kv_gib))
+    print(f"calibrating {model} through the service: {n} vLLM engine(s), batch cap {max(batches)}; starting...",
+          flush=True)
+    t0 = time.perf_counter()
+    async with grpc_fleet(spec) as fleet:
+        startup = time.perf_counter() - t0
+        print(f"  service up in {startup:.1f} s", flush=True)
+        client = fleet.target.client
+        stream = fleet.target.completions()
+        shape_no = iter(range(1 << 30))
+
+        async def run(b: int, p: int, tokens: int) -> dict[str, list]:
+            """b fixed-length requests per engine at once; their completions by engine."""
+            tag = f"cal{next(shape_no)}"
+            groups = [PromptGroup(prompt_token_ids=rng.integers(3, vocab, size=p).tolist(), num_samples=1,
+                                  max_tokens=tokens, min_tokens=tokens, temperature=1.0, group_id=f"{tag}-{i}")
+                      for i in range(b * n)]
+            await client.submit(groups)
+            by_engine: dict[str, list] = {}
+            left = len(groups)
+            while left:
+                c = await asyncio.wait_for(stream.__anext__(), timeout=1800)
+                if not c.group_id.startswith(f"{tag}-"):
+                    continue  # redelivered from an earlier shape
+                left -= 1
+                if c.response_len != tokens or c.num_migrations:
+                    raise RuntimeError(f"a calibration request came back with {c.response_len} tokens "
+                                       f"(asked for {tokens}), {c.num_migrations} migrations")
+                by_engine.setdefault(c.engines[-1], []).append(c)
+            counts = sorted(len(v) for v in by_engine.values())
+            if counts != [b] * n:
+                raise RuntimeError(f"placement put {counts} requests on the engines, not {b} on each of {n}")
+            return by_engine
+
+        async def step(b: int, p: int) -> dict:
+            per_engine: dict[str, list[float]] = {}
+            for _ in range(args.repeats):
+                for e, cs in (await run(b, p, t2)).items():
+                    last = max(cs, key=lambda c: c.first_token_at)
+                    per_engine.setdefault(e, []).append((last.finished_at - last.first_token_at) / (t2 - 1))
+            steps = [statistics.median(v) for _, v in sorted(per_engine.items())]
+            mean = statistics.fmean(steps)
+            print(f"  decode batch {b:>3} x {n} engines, prompt {p:>4}: {mean * 1e3:7.3f} ms/step "
+                  f"({', '.join(f'{x * 1e3:.1f}' for x in steps)})", flush=True)
+            return {"batch": b, "prompt": p, "context_tokens": b * (p + t2 / 2), "step_s": mean,
+                    "tokens_per_s": b / mean if mean > 0 else None, "step_s_per_engine": steps}
+
+        await run(4, 16, t2)  # warm-up
+        prompt_long = min(448, max_len - t2 - 8)
+        shapes = [(b, 16) for b in batches] + [(16, prompt_long), (max(batches), prompt_long)]
+        decode = [await step(b, p) for b, p in shapes]
+        prefill = []
+        lengths = [32, 128, 256, 512, min(896, max_len - 8)][: 3 if args.quick else 5]
+        for p in lengths:
+            times = []
+            for _ in range(args.repeats):
+                times += [c.first_token_at - c.queued_at for cs in (await run(1, p, 1)).values() for c in cs]
+            prefill.append({"prompt": p, "time_s": statistics.median(times)})
+            print(f"  prefill {p:>4} tokens: {prefill[-1]['time_s'] * 1e3:7.2f} ms", flush=True)
+        await stream.aclose()
+    return {"startup_s": startup,
+            "measurements": {"decode": decode, "prefill": prefill, "decode_tokens": [t1, t2],
+                             "decode_timing": "through the service: the service's clock between the first and last "
+                                              "token of the request prefilled last, per engine, mean over engines"}}
+
+
+def through_service(args) -> dict:
+    """`--service`: the plain costs measured through the rollout service
+    (`_service_steps`); with `--draft-from FILE` the speculation terms are
+    fitted to that calibration's draft measurements, against these costs."""
+    import asyncio
+
+    model = args.model or default_model()
+    config = json.loads((Path(model) / "config.json").read_text())
+    max_len = min(int(config.get("max_position_embeddings", 2048)), 4096)
+    batches = [int(b) for b in args.batches.split(",")]
+    measured = asyncio.run(_service_steps(args, model, int(config["vocab_size"]), max_len, batches))
+    result = {"model": Path(model).name, "device": "cpu", "dtype": args.dtype, "engines": args.engines,
+              "through_service": True, "kv_cache_gib": float(args.kv_gib),
+              "load_average": list(os.getloadavg()), "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"), **measured}
+    if args.draft_from:
+        other = json.loads(Path(args.draft_from).read_text())
+        if "draft_measurements" not in other:
+            raise SystemExit(f"--draft-from {args.draft_from}: no draft measurements in it (calibrate with --draft)")
+        result["draft_measurements"] = other["draft_measurements"]
+        result["draft_measurements_from"] = str(args.draft_from)
+    return _fitted(result)
+
+
 def calibrate_one(args) -> dict:
     """The measurements of one engine (and of its draft-model twin)."""
     model = args.model or default_model()
@@ -566,6 +689,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--refit", metavar="JSON",
                     help="measure nothing: fit the cost model again to the measurements stored in this calibration "
                          "file (with the current fit) and write it to --out")
+    ap.add_argument("--service", action="store_true",
+                    help="measure through the rollout service: --engines vLLM engines behind the gRPC server as a "
+                         "load-test run starts them, steps timed on the service's clock (what the fleet pays "
+                         "beyond the engines); the speculation terms come from --draft-from")
+    ap.add_argument("--draft-from", metavar="JSON", default="",
+                    help="with --service: fit the speculation terms to this calibration's draft measurements "
+                         "(a calibration with --draft)")
     ap.add_argument("--seed", type=int, default=0,
                     help="with --draft: seed of the task's prompts (engine i of --engines N takes seed + i)")
     # The engines of a side-by-side calibration: a shared directory to meet in.
@@ -580,12 +710,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.model and not (Path(args.model) / "config.json").is_file():
         ap.error(f"--model {args.model}: not a model directory (no config.json)")
 
+    if args.service and args.draft:
+        ap.error("--service measures the plain costs only: take the speculation terms from a calibration with "
+                 "--draft (--draft-from FILE)")
+    if args.draft_from and not args.service:
+        ap.error("--draft-from goes with --service")
+    if args.draft_from and not Path(args.draft_from).is_file():
+        ap.error(f"--draft-from {args.draft_from}: no such file")
     if args.refit:
         result = json.loads(Path(args.refit).read_text())
         result.pop("draft_fit", None)
         result = _fitted({**result, "refitted_at": time.strftime("%Y-%m-%d %H:%M:%S")})
     else:
-        result = side_by_side(args) if args.engines > 1 else calibrate_one(args)
+        result = (through_service(args) if args.service
+                  else side_by_side(args) if args.engines > 1 else calibrate_one(args))
     out = Path(args.out or args.refit or DEFAULT_OUT)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

@@ -204,6 +204,17 @@ def test_the_calibration_fits_a_memory_bound_floor_and_the_simulated_tail_pays_i
     assert makespans["floor"] > 1.05 * makespans["linear"]
 
 
+def test_a_calibration_through_the_service_takes_its_speculation_terms_from_a_draft_calibration(tmp_path):
+    from load_tests.calibrate import main as calibrate
+
+    with pytest.raises(SystemExit):
+        calibrate(["--service", "--draft", "bundled"])  # the service's engines are plain
+    with pytest.raises(SystemExit):
+        calibrate(["--draft-from", str(tmp_path / "x.json")])  # only with --service
+    with pytest.raises(SystemExit):
+        calibrate(["--service", "--draft-from", str(tmp_path / "missing.json")])
+
+
 def test_the_draft_calibration_recovers_the_speculation_costs_it_was_measured_with():
     """`calibrate --draft` fits the simulated engine's draft and verify costs
     to verify steps measured against K = 0 steps of the same engine: steps
@@ -484,3 +495,20 @@ def test_the_draft_calibration_measures_real_engines_side_by_side_with_a_draft_m
     sim = doc["sim_params"]
     assert sim["spec_acceptance"] == [round(r, 4) for r in acceptance["rates"]]
     assert sim["spec_draft_cost"] >= 0 and sim["spec_verify_cost"] >= 0
+
+    # Through the service: the same 2 engines behind the gRPC server, as a
+    # load-test run starts them, B fixed-length requests on each; the
+    # speculation terms fitted to the draft measurements above.
+    served = tmp_path / "service.json"
+    assert calibrate(["--service", "--engines", "2", "--quick", "--batches", "1,4", "--repeats", "1",
+                      "--draft-from", str(out), "--out", str(served)]) == 0
+    doc = json.loads(served.read_text())
+    assert doc["through_service"] and doc["engines"] == 2
+    rows = doc["measurements"]["decode"]
+    assert [(r["batch"], r["prompt"] == 16) for r in rows][:2] == [(1, True), (4, True)]
+    for row in rows:
+        assert len(row["step_s_per_engine"]) == 2 and min(row["step_s_per_engine"]) > 0
+    assert all(p["time_s"] > 0 for p in doc["measurements"]["prefill"])
+    assert doc["sim_params"]["decode_base_s"] > 0
+    assert doc["sim_params"]["spec_acceptance"] == sim["spec_acceptance"]
+    assert doc["draft_measurements_from"] == str(out)

@@ -39,6 +39,7 @@ BAD_SUBMITS = [
     ({"prompt_token_ids": []}, "groups[0].prompt_token_ids"),
     ({"prompt_token_ids": [1, 2, 10**6]}, "groups[0].prompt_token_ids[2]"),
     ({"sampling.top_k": 0}, "groups[0].sampling.top_k"),
+    ({"sampling.min_tokens": 17}, "groups[0].sampling.min_tokens"),
 ]
 
 
@@ -55,6 +56,12 @@ async def test_bad_submit_is_invalid_argument_naming_the_field(client, overrides
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field in err.value.details()
     await _valid_round_trip(client)
+
+
+async def test_min_tokens_up_to_max_tokens_is_served_at_that_length(client):
+    gid = unique("min-tokens")
+    await client.submit([PromptGroup(prompt_token_ids=[1, 9], num_samples=8, max_tokens=40, min_tokens=40, group_id=gid)])
+    assert [len(s.response_token_ids) for s in await collect(client, gid, 8, timeout=20)] == [40] * 8
 
 
 async def test_error_message_states_the_allowed_range(client):

@@ -267,3 +267,25 @@ async def test_kv_use_is_reported_in_tokens_of_the_engines_real_cache(vllm_servi
     await done
     # At least the prompts of the requests running together, at most the cache.
     assert idle < 4 * len(PROMPTS[0]) <= peak <= capacity, (idle, peak)
+
+
+async def test_min_tokens_holds_the_end_token_back_until_that_many_tokens(vclient):
+    """`min_tokens = max_tokens` asks for exactly `max_tokens` (what a
+    benchmark's fixed lengths need): a greedy response that ended at its end
+    token goes on past it, and what came before is the same tokens."""
+    prefix = unique("min")
+    groups = [PromptGroup(prompt_token_ids=p, num_samples=1, max_tokens=160, temperature=0.0,
+                          group_id=f"{prefix}-{i}") for i, p in enumerate(PROMPTS)]
+    await vclient.submit(groups)
+    free = {s.group_id: s for s in await collect(vclient, prefix, len(PROMPTS), timeout=120)}
+    ended = [g for g in groups if free[g.group_id].finish_reason == "stop"]
+    assert ended, "the tiny reasoner ends some greedy answers before 160 tokens"
+    forced = unique("min-forced")
+    await vclient.submit([PromptGroup(prompt_token_ids=g.prompt_token_ids, num_samples=1, max_tokens=160,
+                                      min_tokens=160, temperature=0.0, group_id=f"{forced}-{i}")
+                          for i, g in enumerate(ended)])
+    got = {s.group_id: s for s in await collect(vclient, forced, len(ended), timeout=120)}
+    for i, g in enumerate(ended):
+        short, long = free[g.group_id].response_token_ids, got[f"{forced}-{i}"].response_token_ids
+        assert len(long) == 160 and got[f"{forced}-{i}"].finish_reason == "length"
+        assert long[:len(short) - 1] == short[:-1]  # the same answer up to where it had ended

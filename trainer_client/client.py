@@ -36,6 +36,8 @@ def _group_pb(g: PromptGroup) -> pb.PromptGroup:
         sampling.top_k = g.top_k
     if g.seed is not None:
         sampling.seed = g.seed
+    if g.min_tokens:
+        sampling.min_tokens = g.min_tokens
     group = pb.PromptGroup(
         group_id=g.group_id,
         prompt_token_ids=g.prompt_token_ids or [],

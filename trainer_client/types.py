@@ -175,6 +175,7 @@ class PromptGroup:
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)
+    min_tokens: int = 0  # end and stop tokens suppressed until this many (= max_tokens: exactly max_tokens)
     group_id: str = ""
     prompt_id: str = ""
     metadata: dict[str, str] = field(default_factory=dict)

@@ -76,6 +76,9 @@ def sampling_params(field: str, sp: pb.SamplingParams, prompt_len: int, limits: 
     top_k = sp.top_k if sp.HasField("top_k") else -1
     if top_k != -1 and not 1 <= top_k <= limits.vocab_size:
         raise FieldError(f"{field}.top_k", f"must be -1 or in [1, {limits.vocab_size}], got {top_k}")
+    min_tokens = sp.min_tokens if sp.HasField("min_tokens") else 0
+    if min_tokens > sp.max_tokens:
+        raise FieldError(f"{field}.min_tokens", f"must be in [0, max_tokens {sp.max_tokens}], got {min_tokens}")
     _check_tokens(f"{field}.stop_token_ids", sp.stop_token_ids, limits.vocab_size)
     if sp.stop:
         if len(sp.stop) > MAX_STOP_STRINGS:
@@ -94,6 +97,7 @@ def sampling_params(field: str, sp: pb.SamplingParams, prompt_len: int, limits: 
         stop_token_ids=tuple(sp.stop_token_ids),
         seed=sp.seed if sp.HasField("seed") else None,
         stop=tuple(sp.stop),
+        min_tokens=min_tokens,
     )
 
 
