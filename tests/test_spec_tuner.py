@@ -293,3 +293,26 @@ async def test_service_runs_the_tuner_and_trainer_and_reports_them_in_get_status
         assert eng.buckets[0].min_batch == 1 and all(b.num_speculative_tokens <= 3 for b in eng.buckets)
         measured = [b for b in eng.buckets if b.observations]
         assert measured and all(v > 0 for b in measured for v in b.tokens_per_s_per_seq.values())
+
+
+async def test_the_online_drafter_trains_below_the_service_s_priority():
+    """On a host where the drafter's training shares cores with the engines,
+    generation comes first: the training process runs `nice` below the
+    service (default 10); a niceness outside 0-19 is refused naming the field."""
+    import os
+
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from rollout_service.assets import tiny_draft_path
+    from rollout_service.drafter import DrafterTrainer, TrainerConfig
+
+    assert TrainerConfig.from_dict({}).nice == 10
+    trainer = DrafterTrainer([], TrainerConfig.from_dict({"nice": 7}), str(tiny_draft_path()), lambda: 0)
+    try:
+        pool = trainer._ensure_pool()
+        child = await asyncio.wrap_future(pool.submit(os.nice, 0))
+    finally:
+        await trainer.stop()
+    assert child == os.nice(0) + 7
+    with pytest.raises(ValueError, match="engine.spec.trainer.nice"):
+        TrainerConfig.from_dict({"nice": 20})

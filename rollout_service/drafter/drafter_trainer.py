@@ -62,6 +62,10 @@ class TrainerConfig:
     versions_kept: int = 2  # train on samples of the newest N policy versions
     buffer_samples: int = 4096
     threads: int = 1  # torch threads of the training process
+    # Niceness added to the training process (0-19): where it shares cores
+    # with the engines (a CPU host), generation comes first and the drafter
+    # trains on what the engines leave; 0 trains at the engines' priority.
+    nice: int = 10
     seed: int = 0
 
     @classmethod
@@ -69,6 +73,8 @@ class TrainerConfig:
         cfg = from_table(cls, values, "engine.spec.trainer")
         if cfg.lr <= 0 or cfg.steps_per_round < 1 or cfg.batch_size < 1 or cfg.min_new_samples < 1 or cfg.versions_kept < 1:
             raise ValueError("engine.spec.trainer: lr, steps_per_round, batch_size, min_new_samples and versions_kept must be positive")
+        if not 0 <= cfg.nice <= 19:
+            raise ValueError(f"engine.spec.trainer.nice: must be in [0, 19], got {cfg.nice}")
         return cfg
 
 
@@ -77,8 +83,11 @@ class TrainerConfig:
 _STATE: dict[str, Any] = {}
 
 
-def _init_process(model_dir: str, lr: float, threads: int, seed: int) -> None:
-    """Load the drafter and its optimizer once per training process."""
+def _init_process(model_dir: str, lr: float, threads: int, seed: int, nice: int = 0) -> None:
+    """Load the drafter and its optimizer once per training process, at
+    `nice` below the service's priority."""
+    if nice:
+        os.nice(nice)
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -241,7 +250,7 @@ class DrafterTrainer:
                 max_workers=1,
                 mp_context=multiprocessing.get_context("spawn"),
                 initializer=_init_process,
-                initargs=(self.draft_model_dir, self.cfg.lr, self.cfg.threads, self.cfg.seed),
+                initargs=(self.draft_model_dir, self.cfg.lr, self.cfg.threads, self.cfg.seed, self.cfg.nice),
             )
         return self._pool
 
