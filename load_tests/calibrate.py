@@ -175,20 +175,26 @@ def decode_tokens(quick: bool) -> tuple[int, int]:
     return (8, 40) if quick else (16, 144)
 
 
+def schedule(batches: list[int], max_len: int, quick: bool) -> tuple[list[tuple[int, int]], list[int]]:
+    """What a calibration measures: the decode shapes (batch, prompt
+    length), short prompts at every batch and long ones at 16 and the
+    largest, and the prompt lengths of the prefill measurements."""
+    t2 = decode_tokens(quick)[1]
+    prompt_long = min(448, max_len - t2 - 8)
+    shapes = [(b, 16) for b in batches] + [(16, prompt_long), (max(batches), prompt_long)]
+    lengths = [32, 128, 256, 512, min(896, max_len - 8)]
+    return shapes, lengths[:3] if quick else lengths
+
+
 def measure(llm, vocab: int, max_len: int, batches: list[int], repeats: int, quick: bool) -> dict:
     rng = np.random.default_rng(0)
     t1, t2 = decode_tokens(quick)
-    prompt_short = 16
-    prompt_long = min(448, max_len - t2 - 8)
-    _timed(llm, _prompts(4, prompt_short, vocab, rng), t2, 1)  # warm-up (a short one left batch 1 slower than 4)
+    _timed(llm, _prompts(4, 16, vocab, rng), t2, 1)  # warm-up (a short one left batch 1 slower than 4)
 
-    shapes = [(b, prompt_short) for b in batches] + [(16, prompt_long), (max(batches), prompt_long)]
+    shapes, lengths = schedule(batches, max_len, quick)
     decode = _decode_steps(llm, shapes, vocab, t1, t2, repeats, rng)
 
     prefill = []
-    lengths = [32, 128, 256, 512, min(896, max_len - 8)]
-    if quick:
-        lengths = lengths[:3]
     for p in lengths:
         t = _timed(llm, _prompts(1, p, vocab, rng), 1, repeats)
         prefill.append({"prompt": p, "time_s": t})
@@ -580,11 +586,9 @@ async def _service_steps(args, model: str, vocab: int, max_len: int, batches: li
                     "tokens_per_s": b / mean if mean > 0 else None, "step_s_per_engine": steps}
 
         await run(4, 16, t2)  # warm-up
-        prompt_long = min(448, max_len - t2 - 8)
-        shapes = [(b, 16) for b in batches] + [(16, prompt_long), (max(batches), prompt_long)]
+        shapes, lengths = schedule(batches, max_len, args.quick)
         decode = [await step(b, p) for b, p in shapes]
         prefill = []
-        lengths = [32, 128, 256, 512, min(896, max_len - 8)][: 3 if args.quick else 5]
         for p in lengths:
             times = []
             for _ in range(args.repeats):

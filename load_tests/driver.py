@@ -205,21 +205,16 @@ async def warm_up(target: RolloutTarget, workload: Workload, vocab_size: int, ru
     start with `warmup-`, so a later loop ignores anything of theirs the
     stream delivers again. Returns the seconds it took."""
     t0 = target.now()
-    stream = target.completions()
+    collector = _Collector(target)
     try:
         for step in range(min(steps, len(workload.steps))):
             groups = group_requests(workload, step, f"warmup-{run_id}", vocab_size)
-            remaining = sum(g.num_samples for g in groups)
-            ours = {g.group_id for g in groups}
-            seen: set[str] = set()
+            record = StepRecord(step, target.now())
+            collector.expect(record, groups)
             await target.submit(groups)
-            while remaining:
-                c = await stream.__anext__()
-                if c.group_id in ours and c.sample_id not in seen:
-                    seen.add(c.sample_id)
-                    remaining -= 1
+            await collector.until(record, len(groups))
     finally:
-        await stream.aclose()
+        await collector.close()
     return target.now() - t0
 
 
