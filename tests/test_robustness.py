@@ -54,7 +54,9 @@ async def test_submit_flood_is_refused_with_resource_exhausted_and_memory_stays_
         status = await c.status()
     assert refused > 300 and accepted * 64 <= 2000
     assert status.queued_requests + status.running_requests <= 2000
-    assert max(rss) - rss[1] < 50 * 2**20, [r // 2**20 for r in rss]  # MiB: flat once the queue is full
+    # MiB: flat once the queue is full. The first reading (before the queue filled) is left out of the
+    # maximum: the process may hand memory back between it and the next (1222 -> 1158 MiB seen in CI).
+    assert max(rss[1:]) - rss[1] < 50 * 2**20, [r // 2**20 for r in rss]
 
 
 _scalar = st.one_of(st.integers(-2**31, 2**31 - 1), st.floats(allow_nan=True, allow_infinity=True, width=32))
