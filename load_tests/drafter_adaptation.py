@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -135,7 +136,8 @@ async def run(args) -> dict:
         cores[name] = RolloutCore([engine], make_placement("least-assigned"), Clock())
     await asyncio.gather(*(core.start() for core in cores.values()))
     adaptive = cores["adaptive"]
-    trainer = DrafterTrainer(adaptive.engines.values(), TrainerConfig(steps_per_round=args.draft_steps, versions_kept=2,
+    trainer = DrafterTrainer(adaptive.engines.values(), TrainerConfig(steps_per_round=args.draft_steps, lr=args.draft_lr,
+                                                                      versions_kept=args.draft_versions,
                                                                       seed=args.seed, min_new_samples=10**9),
                              draft, lambda: adaptive.policy_version)
     adaptive.sample_taps.append(trainer.observe)
@@ -189,6 +191,7 @@ async def run(args) -> dict:
     return {
         "target": target, "draft": draft, "versions": versions,
         "config": {k: getattr(args, k) for k in ("drift", "versions", "groups", "samples", "max_tokens", "draft_steps",
+                                                 "draft_lr", "draft_versions",
                                                  "policy_steps", "policy_batch", "policy_lr", "seed")},
     }
 
@@ -222,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", type=int, default=4, help="samples per group")
     p.add_argument("--max-tokens", type=int, default=300)
     p.add_argument("--draft-steps", type=int, default=100, help="drafter optimizer steps per round")
+    p.add_argument("--draft-lr", type=float, default=1e-3, help="drafter learning rate (engine.spec.trainer.lr)")
+    p.add_argument("--draft-versions", type=int, default=2,
+                   help="the drafter trains on the samples of the newest N policy versions (engine.spec.trainer.versions_kept)")
     p.add_argument("--drift", choices=["shifted", "rft"], default="shifted",
                    help="how the policy trains: on shifted data (reference solutions with ';' between lines) "
                         "or on its own correct samples (rejection-sampling fine-tuning)")
@@ -235,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.versions, args.groups, args.max_tokens = min(args.versions, 3), min(args.groups, 16), min(args.max_tokens, 200)
     out = asyncio.run(run(args))
-    out["command"] = "python -m load_tests.drafter_adaptation" + (" --quick" if args.quick else "")
+    out["command"] = " ".join(["python -m load_tests.drafter_adaptation", *(sys.argv[1:] if argv is None else argv)])
     later = out["versions"][1:]
     if later:
         out["summary"] = {

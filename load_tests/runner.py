@@ -22,6 +22,8 @@ from load_tests.metrics import CostModel, Counters, FleetProbe, step_metrics, su
 from load_tests.targets import FleetSpec, grpc_fleet, in_process_fleet
 from load_tests.workloads import Workload
 from rollout_service.core.clock import run_virtual
+from rollout_service.drafter.drafter_trainer import DrafterTrainer
+from rollout_service.drafter.runtime import SpecRuntime
 from rollout_service.engines.sim import SimParams
 from rollout_service.scheduling import PolicySpec
 
@@ -224,6 +226,9 @@ async def run_async(cfg: RunConfig, policy: PolicySpec, on_fleet=None) -> RunRes
                     on_step_start=on_start, on_step_end=on_end)
         finally:
             await probe.stop()
+        speculation = speculation_summary(fleet.spec) if fleet.spec is not None and fleet.spec.spec.enabled else None
+        if speculation is not None and cfg.progress:
+            print(f"  [{policy.name}] {describe_speculation(speculation)}", file=sys.stderr, flush=True)
     summary = summarise(step_out, records, cfg.engines)
     if w.multi_turn:
         summary.update(multiturn.summarise(step_out, records))
@@ -242,6 +247,8 @@ async def run_async(cfg: RunConfig, policy: PolicySpec, on_fleet=None) -> RunRes
     })
     if keep_tokens:
         summary["reward_mean"] = _reward(records, w)
+    if speculation is not None:
+        summary["speculation"] = speculation
     t0 = records[0].submitted_at if records else 0.0
     timeline = {
         "times": [t - t0 for t in probe.times],
@@ -253,6 +260,46 @@ async def run_async(cfg: RunConfig, policy: PolicySpec, on_fleet=None) -> RunRes
     }
     drained = extra["drain"]["drained_samples"] if extra else []
     return RunResult(policy.name, summary, step_out, timeline, records, drained)
+
+
+_ROUND_KEYS = ("policy_version", "draft_version", "examples", "seconds", "loss_last", "agreement_before",
+               "agreement_after", "push_seconds")
+
+
+def speculation_summary(spec: SpecRuntime) -> dict:
+    """What speculation did over the run, warm-up included: per engine the
+    verify steps and the mean acceptance length (tokens per verify step of
+    one request, the bonus token included); the online drafter's rounds
+    (when it trains a model), each with the greedy agreement with the
+    policy's samples before and after it and the seconds it took."""
+    status = spec.status()
+    out: dict = {
+        "method": status.method,
+        "max_k": max((e.max_k for e in status.engines.values()), default=0),
+        "engines": {eid: {"verify_steps": e.verify_steps, "draft_tokens": e.draft_tokens,
+                          "accepted_tokens": e.accepted_tokens, "mean_acceptance_length": e.mean_acceptance_length,
+                          "draft_version": e.draft_version}
+                    for eid, e in status.engines.items()},
+    }
+    steps = sum(e.verify_steps for e in status.engines.values())
+    accepted = sum(e.accepted_tokens for e in status.engines.values())
+    out["mean_acceptance_length"] = 1.0 + accepted / steps if steps else None
+    if isinstance(spec.trainer, DrafterTrainer):
+        out["drafter_rounds"] = [{k: r.get(k) for k in _ROUND_KEYS} for r in spec.trainer.rounds]
+    return out
+
+
+def describe_speculation(s: dict) -> str:
+    """One line of `speculation_summary` for the progress output."""
+    length = s["mean_acceptance_length"]
+    text = f"speculation ({s['method']}): acceptance length {length:.2f}" if length else \
+        f"speculation ({s['method']}): no verify step"
+    rounds = s.get("drafter_rounds")
+    if rounds:
+        text += (f"; {len(rounds)} drafter rounds, {sum(r['seconds'] or 0 for r in rounds):.0f} s of training, "
+                 f"agreement {rounds[0]['agreement_before']:.2f} before the first, "
+                 f"{rounds[-1]['agreement_after']:.2f} after the last")
+    return text
 
 
 def partial_summary(extra: dict, records: list[driver.StepRecord], summary: dict, cfg: RunConfig) -> dict:

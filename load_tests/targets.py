@@ -100,6 +100,7 @@ class Fleet:
     core: RolloutCore
     vocab_size: int
     max_model_len: int
+    spec: SpecRuntime | None = None  # the depth tuner and online drafter, when the policy speculates
 
     @property
     def engines(self) -> dict:
@@ -233,7 +234,7 @@ async def in_process_fleet(spec: FleetSpec, keep_tokens: bool = False) -> AsyncI
     drafter = SpecRuntime(core, cfg.spec)  # depth tuner, online drafter
     await drafter.start()
     try:
-        yield Fleet(InProcessTarget(core, keep_tokens=keep_tokens), core, info.vocab_size, info.max_model_len)
+        yield Fleet(InProcessTarget(core, keep_tokens=keep_tokens), core, info.vocab_size, info.max_model_len, drafter)
     finally:
         await drafter.stop()
         await core.stop()
@@ -258,6 +259,7 @@ async def grpc_fleet(spec: FleetSpec, keep_tokens: bool = False) -> AsyncIterato
             weights_file = str(candidate) if candidate.exists() else None
         async with RolloutClient(f"127.0.0.1:{service.grpc_port}", consumer_id="load-test") as client:
             await client.wait_ready()
-            yield Fleet(GrpcTarget(client, weights_file, keep_tokens), service.core, info.vocab_size, info.max_model_len)
+            yield Fleet(GrpcTarget(client, weights_file, keep_tokens), service.core, info.vocab_size, info.max_model_len,
+                        service.spec_runtime)
     finally:
         await service.stop()

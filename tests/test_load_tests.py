@@ -275,6 +275,21 @@ def test_the_bound_holds_with_speculative_decoding_in_the_simulated_engines(meth
         assert step["lower_bound_s"] <= step["makespan_s"]
 
 
+def test_a_speculating_run_reports_its_acceptance_and_a_plain_one_does_not():
+    """The run's result says what speculation did (tokens per verify step,
+    per engine and pooled), so a slow speculating run can be told apart from
+    one whose drafts were rejected."""
+    w = quick("math", steps=2, groups=8)
+    cfg = RunConfig(w, engines=2, sim={"spec_acceptance": 0.7}, progress=False)
+    spec = run_policy(cfg, parse_policy("least-assigned+spec-ngram")).summary["speculation"]
+    assert spec["method"] == "ngram" and set(spec["engines"]) == {"sim-0", "sim-1"}
+    assert all(e["verify_steps"] > 0 for e in spec["engines"].values())
+    lengths = sorted(e["mean_acceptance_length"] for e in spec["engines"].values())
+    assert 1.5 < lengths[0] <= spec["mean_acceptance_length"] <= lengths[-1] <= 1 + spec["max_k"]
+    assert "drafter_rounds" not in spec  # no model is trained
+    assert "speculation" not in run_policy(cfg, parse_policy("least-assigned")).summary
+
+
 def test_kv_load_sums_each_tokens_capped_context():
     import numpy as np
 

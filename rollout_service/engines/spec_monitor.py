@@ -137,6 +137,7 @@ class SpecMonitor:
             schedule=[tuple(e) for e in self.schedule],
             draft_version=self.draft_version,
             steps=self.steps,
+            verify_steps=self.spec_steps,
             draft_tokens=self.draft_tokens,
             accepted_tokens=self.accepted_tokens,
             acceptance_rate=self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0,

@@ -45,6 +45,7 @@ class SpecEngineStatus:
     schedule: list[tuple[int, int, int]] = field(default_factory=list)
     draft_version: int = 0
     steps: int = 0
+    verify_steps: float = 0  # (request, step) pairs that verified drafts
     draft_tokens: float = 0
     accepted_tokens: float = 0
     acceptance_rate: float = 0.0
