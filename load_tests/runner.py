@@ -268,8 +268,9 @@ _ROUND_KEYS = ("policy_version", "draft_version", "examples", "seconds", "loss_l
 
 def speculation_summary(spec: SpecRuntime) -> dict:
     """What speculation did over the run, warm-up included: per engine the
-    verify steps and the mean acceptance length (tokens per verify step of
-    one request, the bonus token included); the online drafter's rounds
+    verify steps, the mean acceptance length (tokens per verify step of one
+    request, the bonus token included) and the depth schedule in force at
+    the end [(first batch, last batch, K)]; the online drafter's rounds
     (when it trains a model), each with the greedy agreement with the
     policy's samples before and after it and the seconds it took."""
     status = spec.status()
@@ -278,7 +279,7 @@ def speculation_summary(spec: SpecRuntime) -> dict:
         "max_k": max((e.max_k for e in status.engines.values()), default=0),
         "engines": {eid: {"verify_steps": e.verify_steps, "draft_tokens": e.draft_tokens,
                           "accepted_tokens": e.accepted_tokens, "mean_acceptance_length": e.mean_acceptance_length,
-                          "draft_version": e.draft_version}
+                          "draft_version": e.draft_version, "schedule": [list(b) for b in e.schedule]}
                     for eid, e in status.engines.items()},
     }
     steps = sum(e.verify_steps for e in status.engines.values())

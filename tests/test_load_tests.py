@@ -286,6 +286,7 @@ def test_a_speculating_run_reports_its_acceptance_and_a_plain_one_does_not():
     assert all(e["verify_steps"] > 0 for e in spec["engines"].values())
     lengths = sorted(e["mean_acceptance_length"] for e in spec["engines"].values())
     assert 1.5 < lengths[0] <= spec["mean_acceptance_length"] <= lengths[-1] <= 1 + spec["max_k"]
+    assert all(e["schedule"] and e["schedule"][0][0] == 1 for e in spec["engines"].values())
     assert "drafter_rounds" not in spec  # no model is trained
     assert "speculation" not in run_policy(cfg, parse_policy("least-assigned")).summary
 
