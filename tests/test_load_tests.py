@@ -291,6 +291,20 @@ def test_a_speculating_run_reports_its_acceptance_and_a_plain_one_does_not():
     assert "speculation" not in run_policy(cfg, parse_policy("least-assigned")).summary
 
 
+def test_spec_fixed_keeps_the_configured_depth_schedule_without_the_tuner():
+    """`+spec-fixed` speculates on the fixed schedule (the tail's depth,
+    none in the bulk); a run can then tell the tuner's choices apart from
+    the drafter's cost."""
+    from rollout_service.engines.spec_config import DEFAULT_SCHEDULE, normalize_schedule
+
+    w = quick("math", steps=2, groups=8)
+    cfg = RunConfig(w, engines=2, max_seqs=16, progress=False)
+    spec = run_policy(cfg, parse_policy("least-assigned+spec-fixed")).summary["speculation"]
+    fixed = [list(e) for e in normalize_schedule(DEFAULT_SCHEDULE, 16, spec["max_k"])]
+    assert spec["method"] == "draft_model"
+    assert all(e["schedule"] == fixed and e["verify_steps"] > 0 for e in spec["engines"].values())
+
+
 def test_kv_load_sums_each_tokens_capped_context():
     import numpy as np
 

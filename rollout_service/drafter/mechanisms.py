@@ -8,6 +8,7 @@ from typing import Any, Iterable, Mapping
 MECHANISM_SPECS: dict[str, dict[str, Any]] = {
     "spec": {"method": "draft_model", "tune": True, "train": True},
     "spec-frozen": {"method": "draft_model", "tune": True, "train": False},
+    "spec-fixed": {"method": "draft_model", "tune": False, "train": False},
     "spec-ngram": {"method": "ngram", "tune": True},
     "spec-siblings": {"method": "siblings", "tune": True},
 }
@@ -17,6 +18,7 @@ MECHANISM_SPECS: dict[str, dict[str, Any]] = {
 SPEC_MECHANISMS: dict[str, str] = {
     "spec": "speculative decoding in the tail with the online-trained drafter and the depth tuner",
     "spec-frozen": "speculative decoding in the tail with the bundled drafter, never retrained (baseline)",
+    "spec-fixed": "the bundled drafter, never retrained, on the fixed depth schedule (no depth tuner)",
     "spec-ngram": "speculative decoding in the tail with n-gram (prompt lookup) drafts and the depth tuner",
     "spec-siblings": "speculative decoding in the tail with drafts from the group's sibling responses and the depth tuner",
 }
