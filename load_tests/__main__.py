@@ -64,6 +64,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--sim", action="append", default=[], metavar="FIELD=VALUE",
                    help=f"simulated-engine cost model, e.g. decode_base_s=0.02 ({', '.join(COST_FIELDS)})")
+    r.add_argument("--spec", action="append", default=[], metavar="FIELD=VALUE",
+                   help="[engine.spec] override for the policies that speculate, VALUE in JSON, e.g. "
+                        "--spec 'schedule=[[1,2,3],[3,65536,0]]' --spec tune=false")
     r.add_argument("--cost-model", metavar="JSON",
                    help="a calibration file (load_tests/calibrate.py) whose sim_params set the cost model; --sim overrides it")
     r.add_argument("--quick", action="store_true", help="a small run: 2 steps of at most 8 groups, lengths x0.1")
@@ -108,6 +111,29 @@ def _sim_overrides(items: list[str]) -> dict:
     return out
 
 
+def _spec_overrides(items: list[str]) -> dict:
+    """`--spec FIELD=VALUE` (VALUE in JSON; a bare word is a string) ->
+    `[engine.spec]` overrides, validated on a speculating table."""
+    from rollout_service.engines.spec_config import SpecConfig
+
+    out: dict = {}
+    known = set(SpecConfig.__dataclass_fields__) - {"method"}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in known:
+            raise SystemExit(f"--spec {item!r}: expected FIELD=VALUE with FIELD one of {sorted(known)} "
+                             f"(the method comes from the policy: spec, spec-ngram, spec-siblings, ...)")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    try:
+        SpecConfig.from_dict({"method": "draft_model", **out})
+    except (TypeError, ValueError) as e:
+        raise SystemExit(f"--spec: {e}") from None
+    return out
+
+
 def _cost_model(path: str | None) -> dict:
     if not path:
         return {}
@@ -128,7 +154,7 @@ def run_one(args, workload_name: str, engines: int, out: Path | None) -> dict:
         kv_tokens=args.kv_tokens, sim={**_cost_model(args.cost_model), **_sim_overrides(args.sim)}, seed=args.seed, mode=args.mode, rate=args.rate,
         need_groups=args.need_groups, model=args.model, progress=not args.quiet,
         over_provision=args.over_provision, max_version_lag=args.max_version_lag, train_s=args.train_s,
-        warmup_steps=args.warmup_steps,
+        warmup_steps=args.warmup_steps, spec=_spec_overrides(args.spec),
     )
     cfg.check()
     d = workload.describe()
@@ -150,6 +176,7 @@ def run_one(args, workload_name: str, engines: int, out: Path | None) -> dict:
         "sim": cfg.sim, "cost_model_file": args.cost_model, "policies": [p.name for p in policies],
         "model": args.model, "max_tokens": workload.max_tokens, "over_provision": args.over_provision,
         "max_version_lag": args.max_version_lag, "train_s": args.train_s, "warmup_steps": args.warmup_steps,
+        "spec": cfg.spec,
     }
     if out is not None:
         path = write_json(out, config, workload, results)

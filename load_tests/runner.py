@@ -51,6 +51,7 @@ class RunConfig:
     max_version_lag: int = 1  # policy "partial": staleness bound (-1: none)
     train_s: float = 0.0  # closed loop: the trainer stand-in's compute per step
     warmup_steps: int = 0  # closed loop: the workload's first steps run once, unmeasured, before the run
+    spec: dict = field(default_factory=dict)  # `[engine.spec]` overrides for the policies that speculate
 
     def check(self) -> None:
         if self.clock not in ("virtual", "real"):
@@ -120,6 +121,7 @@ def fleet_spec(cfg: RunConfig, policy: PolicySpec, environments: dict | None = N
         vocab_size=w.vocab_size,
         max_version_lag=cfg.max_version_lag,
         environments=dict(environments or {}),
+        spec=dict(cfg.spec),
     )
 
 

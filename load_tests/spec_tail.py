@@ -9,8 +9,10 @@ Each route gets a fresh fleet (2 engines, one core each, the bundled tiny
 reasoner) and runs the same tiny-reasoner GRPO steps: warm-up steps (their
 samples, 256 by default, train the adaptive drafter: one round pushed before
 the measured steps), then the measured steps. Speculation runs only in the tail: K=3
-(`--k`) while an engine runs at most 4 sequences (`--tail-seqs`), none above
-(`--tune` lets the depth tuner choose instead).
+(`--k`) while an engine runs at most 4 sequences (`--tail-seqs`), none above;
+`--schedule` sets a depth per running batch size instead (one sequence can
+verify more drafted tokens than four for the same step cost), and `--tune`
+lets the depth tuner choose.
 
 Per step: makespan (submit to last sample), tokens/s over the step, and the
 tail: from the moment the fleet runs at most 4 sequences per engine to the
@@ -31,7 +33,16 @@ TAIL = [[1, 4, 3], [5, 1 << 16, 0]]  # (batch from, batch to, K): the defaults o
 
 
 def tail_schedule(args) -> list[list[int]]:
-    """K = `--k` while an engine runs at most `--tail-seqs` sequences, 0 above."""
+    """K = `--k` while an engine runs at most `--tail-seqs` sequences, 0
+    above; or `--schedule`, a depth per batch-size range."""
+    if getattr(args, "schedule", ""):
+        from rollout_service.engines.spec_config import normalize_schedule
+
+        try:
+            schedule = json.loads(args.schedule)
+            return [list(e) for e in normalize_schedule(schedule, 1 << 16, 16)]
+        except (json.JSONDecodeError, TypeError, ValueError) as e:
+            raise SystemExit(f"--schedule {args.schedule!r}: {e} (expected JSON like [[1,1,5],[2,4,3],[5,65536,0]])")
     return [[1, args.tail_seqs, args.k], [args.tail_seqs + 1, 1 << 16, 0]]
 ROUTES = {
     "off": None,
@@ -98,7 +109,8 @@ async def run_route(name: str, args, workload) -> dict:
 
     spec = dict(ROUTES[name] or {"method": "off"})
     if spec["method"] != "off":
-        spec.update(num_speculative_tokens=args.k, schedule=tail_schedule(args), tune=args.tune)
+        schedule = tail_schedule(args)
+        spec.update(num_speculative_tokens=max(1, *(k for _, _, k in schedule)), schedule=schedule, tune=args.tune)
         if spec["method"] == "draft_model" and args.draft:
             spec["model"] = args.draft
         if spec.get("train"):
@@ -178,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--k", type=int, default=TAIL[0][2], help="speculative depth in the tail")
     p.add_argument("--tail-seqs", type=int, default=TAIL[0][1],
                    help="the tail: an engine running at most this many sequences")
+    p.add_argument("--schedule", default="",
+                   help="depth per running batch size, JSON [[first, last, K], ...] (instead of --k/--tail-seqs), "
+                        "e.g. [[1,1,5],[2,2,3],[3,4,1],[5,65536,0]]")
     p.add_argument("--tune", action="store_true", help="let the depth tuner choose K per batch size")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="2 steps of 8 groups x 4 samples")

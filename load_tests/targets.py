@@ -57,6 +57,7 @@ class FleetSpec:
     kv_cache_gib: float = 1.0  # vLLM engines
     max_version_lag: int = -1  # partial rollout: staleness bound (-1: none)
     environments: dict = field(default_factory=dict)  # multi-turn: name -> environment hook (in process)
+    spec: dict = field(default_factory=dict)  # `[engine.spec]` overrides, applied when the policy speculates
 
     @property
     def affinity(self) -> bool:
@@ -73,6 +74,8 @@ class FleetSpec:
 
     def engine_config(self) -> EngineConfig:
         spec, others = mechanism_spec(self.policy.mechanisms)  # "spec", "spec-ngram" -> [engine.spec]
+        if spec:  # overrides (a depth schedule, the tuner off) only where the policy speculates
+            spec = {**spec, **self.spec, "method": spec["method"]}
         unknown = set(others) - {"rebalance", "isolate", "repack", "partial", "affinity"}
         if unknown:
             raise ValueError(f"policy {self.policy.name!r}: the load-test harness does not switch on {sorted(unknown)}")

@@ -305,6 +305,22 @@ def test_spec_fixed_keeps_the_configured_depth_schedule_without_the_tuner():
     assert all(e["schedule"] == fixed and e["verify_steps"] > 0 for e in spec["engines"].values())
 
 
+def test_spec_overrides_set_the_depth_schedule_of_speculating_policies_only():
+    """`run --spec schedule=... --spec tune=false`: a speculating policy runs
+    on the given schedule (speculation in the tail only, no tuner); a policy
+    that does not speculate stays without speculation; a bad field is named."""
+    w = quick("math", steps=2, groups=8)
+    tail_only = [[1, 2, 3], [3, 16, 0]]
+    cfg = RunConfig(w, engines=2, max_seqs=16, progress=False, spec={"schedule": tail_only, "tune": False})
+    spec = run_policy(cfg, parse_policy("least-assigned+spec-ngram")).summary["speculation"]
+    assert spec["method"] == "ngram"
+    assert all(e["schedule"] == tail_only for e in spec["engines"].values())
+    plain = run_policy(cfg, parse_policy("least-assigned")).summary
+    assert "speculation" not in plain
+    with pytest.raises(SystemExit, match=r"schedul=.*'schedule'"):
+        main(["run", "--spec", "schedul=[[1,4,3]]", "--quick", "--no-plots"])
+
+
 def test_kv_load_sums_each_tokens_capped_context():
     import numpy as np
 
