@@ -16,7 +16,9 @@ lets the depth tuner choose.
 
 Per step: makespan (submit to last sample), tokens/s over the step, and the
 tail: from the moment the fleet runs at most 4 sequences per engine to the
-end, tokens generated in it per second. Token counts are sampled every 20 ms
+end, tokens generated in it per second, and per second per running sequence
+(each sequence's pace, which does not depend on how many sequences a
+step's tail happens to hold). Token counts are sampled every 20 ms
 from the core's counter. Writes DIR/spec_tail.json and DIR/spec_tail.png.
 """
 from __future__ import annotations
@@ -83,14 +85,24 @@ async def run_step(core, groups, tag: str, tail_per_engine: int) -> dict:
     makespan = time.perf_counter() - t0
     prober.cancel()
     probe.append((makespan, core.counters["tokens_generated"], 0))
-    threshold = tail_per_engine * len(core.engines)
-    start = next((i for i, (_, _, n) in enumerate(probe) if n <= threshold and probe[i][0] > 0.1), len(probe) - 1)
+    return {"makespan_s": makespan, "tokens": tokens, "tokens_per_s": tokens / makespan,
+            **tail_figures(probe, tail_per_engine * len(core.engines))}
+
+
+def tail_figures(probe: list[tuple[float, int, int]], threshold: int) -> dict:
+    """The tail of a step from its probe [(seconds, tokens so far, sequences
+    running or queued), ...] (the last entry at the step's end): from the
+    first moment at most `threshold` sequences run to the end, its tokens,
+    seconds, tokens/s, and tokens per sequence-second, each sequence's pace,
+    whatever number of sequences the tail happens to hold."""
+    start = next((i for i, (t, _, n) in enumerate(probe) if n <= threshold and t > 0.1), len(probe) - 1)
     t_tail, tok_tail, _ = probe[start]
     tail_tokens = probe[-1][1] - tok_tail
-    tail_s = makespan - t_tail
-    return {"makespan_s": makespan, "tokens": tokens, "tokens_per_s": tokens / makespan,
-            "tail_start_s": t_tail, "tail_s": tail_s, "tail_tokens": tail_tokens,
-            "tail_tokens_per_s": tail_tokens / tail_s if tail_s > 0 else 0.0}
+    tail_s = probe[-1][0] - t_tail
+    seq_s = sum(n * (probe[i + 1][0] - t) for i, (t, _, n) in enumerate(probe[start:-1], start))
+    return {"tail_start_s": t_tail, "tail_s": tail_s, "tail_tokens": tail_tokens,
+            "tail_tokens_per_s": tail_tokens / tail_s if tail_s > 0 else 0.0,
+            "tail_seq_s": seq_s, "tail_tokens_per_seq_s": tail_tokens / seq_s if seq_s > 0 else 0.0}
 
 
 class _Step:
@@ -132,7 +144,7 @@ async def run_route(name: str, args, workload) -> dict:
             steps.append(result)
             print(f"  [{name}] step {s}{' (warm-up)' if result['warm_up'] else ''}: makespan {result['makespan_s']:.1f} s, "
                   f"{result['tokens_per_s']:.0f} tokens/s; tail {result['tail_s']:.1f} s at "
-                  f"{result['tail_tokens_per_s']:.0f} tokens/s", flush=True)
+                  f"{result['tail_tokens_per_s']:.0f} tokens/s, {result['tail_tokens_per_seq_s']:.1f} per sequence", flush=True)
             if s == args.warmup_steps - 1 and runtime.trainer is not None:
                 record = await runtime.trainer.train_once()
                 print(f"  [{name}] drafter trained on {record['examples']} samples: agreement "
@@ -149,6 +161,7 @@ async def run_route(name: str, args, workload) -> dict:
         "tokens_per_s": float(np.mean([r["tokens_per_s"] for r in measured])),
         # Pooled over the measured steps (a step whose tail is a blink must not count as much as a long one).
         "tail_tokens_per_s": sum(r["tail_tokens"] for r in measured) / max(sum(r["tail_s"] for r in measured), 1e-9),
+        "tail_tokens_per_seq_s": sum(r["tail_tokens"] for r in measured) / max(sum(r["tail_seq_s"] for r in measured), 1e-9),
         "tail_s": float(np.mean([r["tail_s"] for r in measured])),
         "spec_status": final.to_dict(),
     }
@@ -161,11 +174,13 @@ def plot(out: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = list(out["routes"])
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     axes[0].bar(names, [out["routes"][n]["tail_tokens_per_s"] for n in names], color="tab:blue")
     axes[0].set_ylabel("tokens/s in the tail (<= 4 sequences per engine)")
-    axes[1].bar(names, [out["routes"][n]["makespan_s"] for n in names], color="tab:orange")
-    axes[1].set_ylabel("step makespan (s)")
+    axes[1].bar(names, [out["routes"][n].get("tail_tokens_per_seq_s", 0.0) for n in names], color="tab:green")
+    axes[1].set_ylabel("tail tokens/s per running sequence")
+    axes[2].bar(names, [out["routes"][n]["makespan_s"] for n in names], color="tab:orange")
+    axes[2].set_ylabel("step makespan (s)")
     fig.suptitle(f"tiny-reasoner steps on {out.get('engines', 2)} vLLM CPU engines, target {out.get('model', 'tiny-reasoner')}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -208,9 +223,10 @@ def main(argv: list[str] | None = None) -> int:
            "routes": {}}
     for name in [r.strip() for r in args.routes.split(",") if r.strip()]:
         out["routes"][name] = asyncio.run(run_route(name, args, workload))
-    print(f"{'route':<10} {'makespan s':>11} {'tokens/s':>9} {'tail s':>7} {'tail tokens/s':>14}")
+    print(f"{'route':<10} {'makespan s':>11} {'tokens/s':>9} {'tail s':>7} {'tail tokens/s':>14} {'per sequence':>13}")
     for name, r in out["routes"].items():
-        print(f"{name:<10} {r['makespan_s']:>11.1f} {r['tokens_per_s']:>9.0f} {r['tail_s']:>7.1f} {r['tail_tokens_per_s']:>14.0f}")
+        print(f"{name:<10} {r['makespan_s']:>11.1f} {r['tokens_per_s']:>9.0f} {r['tail_s']:>7.1f} "
+              f"{r['tail_tokens_per_s']:>14.0f} {r['tail_tokens_per_seq_s']:>13.2f}")
     if args.report:
         d = Path(args.report)
         d.mkdir(parents=True, exist_ok=True)

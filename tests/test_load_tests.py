@@ -558,3 +558,25 @@ def test_the_draft_calibration_measures_real_engines_side_by_side_with_a_draft_m
     assert doc["sim_params"]["decode_base_s"] > 0
     assert doc["sim_params"]["spec_acceptance"] == sim["spec_acceptance"]
     assert doc["draft_measurements_from"] == str(out)
+
+
+def test_spec_tail_pace_per_sequence_does_not_depend_on_how_many_sequences_the_tail_holds():
+    """Two steps whose tail sequences all run at 12 tokens/s, one tail of 8
+    sequences and one of 2: the tail's tokens/s differ 4x, its tokens per
+    running sequence per second do not."""
+    from load_tests.spec_tail import tail_figures
+
+    def probe(bulk: int, tail: int, pace: float = 12.0, dt: float = 0.5):
+        out, tokens, t = [], 0.0, 0.0
+        for n in [bulk] * 20 + [tail] * 40:
+            out.append((t, int(tokens), n))
+            tokens += n * pace * dt
+            t += dt
+        out.append((t, int(tokens), 0))
+        return out
+
+    wide, narrow = tail_figures(probe(32, 8), 8), tail_figures(probe(32, 2), 8)
+    assert wide["tail_start_s"] == narrow["tail_start_s"] == pytest.approx(10.0)
+    assert wide["tail_tokens_per_s"] == pytest.approx(4 * narrow["tail_tokens_per_s"], rel=0.01)
+    assert wide["tail_tokens_per_seq_s"] == pytest.approx(12.0, rel=0.01)
+    assert narrow["tail_tokens_per_seq_s"] == pytest.approx(12.0, rel=0.01)
