@@ -60,7 +60,7 @@ def predict(report_dir: Path, sim: dict, progress: bool = False) -> list[dict]:
                         kv_tokens=cfg["kv_tokens"], sim={**sim, "weight_update_s": push_s}, seed=cfg["seed"],
                         need_groups=cfg.get("need_groups"), progress=progress,
                         over_provision=cfg.get("over_provision", 2.0), max_version_lag=cfg.get("max_version_lag", 1),
-                        train_s=cfg.get("train_s", 0.0))
+                        train_s=cfg.get("train_s", 0.0), spec=dict(cfg.get("spec") or {}))  # the run's `--spec`
         result = run_policy(run, parse_policy(policy))
         predicted = result.summary
         row = {"policy": policy, "weight_push_s": push_s}

@@ -512,6 +512,26 @@ def test_predict_prices_a_verified_draft_token_as_one_more_sequence(tmp_path):
     assert rows["priced"]["static"] == pytest.approx(rows["free"]["static"], rel=0.02)
 
 
+def test_predict_replays_a_run_with_its_own_spec_overrides(tmp_path):
+    """A run told `--spec schedule=...` is predicted on that schedule: with
+    speculation switched off at every batch size, pricing verification
+    changes nothing in the prediction."""
+    out = tmp_path / "measured-run"
+    assert main(["run", "--workload", "math", "--engines", "2", "--clock", "real", "--length-scale", "0.05",
+                 "--steps", "2", "--groups-per-step", "4", "--policy", "least-assigned+spec-ngram",
+                 "--spec", "schedule=[[1,65536,0]]", "--spec", "tune=false",
+                 "--report", str(out), "--no-plots", "--quiet"]) == 0
+    assert json.loads((out / "report.json").read_text())["config"]["spec"]["schedule"] == [[1, 65536, 0]]
+    fit = tmp_path / "fit.json"
+    fit.write_text(json.dumps({"sim_params": {"decode_base_s": 0.004, "decode_per_seq_s": 0.002}}))
+    predicted = {}
+    for name, extra in (("priced", []), ("free", ["--sim", "spec_verify_cost=0"])):
+        assert main(["predict", str(out), "--cost-model", str(fit), "--out", str(tmp_path / f"{name}.json"),
+                     *extra]) == 0
+        predicted[name] = json.loads((tmp_path / f"{name}.json").read_text())[0]["makespan_s"]["predicted"]
+    assert predicted["priced"] == pytest.approx(predicted["free"], rel=0.02)
+
+
 @pytest.mark.vllm
 def test_the_draft_calibration_measures_real_engines_side_by_side_with_a_draft_model_attached(tmp_path):
     """`calibrate --engines 2 --draft bundled` on the bundled model (batches
