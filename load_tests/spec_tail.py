@@ -46,6 +46,8 @@ def tail_schedule(args) -> list[list[int]]:
         except (json.JSONDecodeError, TypeError, ValueError) as e:
             raise SystemExit(f"--schedule {args.schedule!r}: {e} (expected JSON like [[1,1,5],[2,4,3],[5,65536,0]])")
     return [[1, args.tail_seqs, args.k], [args.tail_seqs + 1, 1 << 16, 0]]
+
+
 ROUTES = {
     "off": None,
     "frozen": {"method": "draft_model"},
