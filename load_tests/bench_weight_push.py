@@ -362,4 +362,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from load_tests.interrupt import stop_on_sigterm
+
+    stop_on_sigterm()
     main()

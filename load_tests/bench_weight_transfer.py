@@ -307,5 +307,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from load_tests.interrupt import stop_on_sigterm
+
+    stop_on_sigterm()
     threading.current_thread().name = "bench"
     main()

@@ -239,4 +239,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from load_tests.interrupt import stop_on_sigterm
+
+    stop_on_sigterm()
     raise SystemExit(main())

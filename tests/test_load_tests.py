@@ -600,3 +600,46 @@ def test_spec_tail_pace_per_sequence_does_not_depend_on_how_many_sequences_the_t
     assert wide["tail_tokens_per_s"] == pytest.approx(4 * narrow["tail_tokens_per_s"], rel=0.01)
     assert wide["tail_tokens_per_seq_s"] == pytest.approx(12.0, rel=0.01)
     assert narrow["tail_tokens_per_seq_s"] == pytest.approx(12.0, rel=0.01)
+
+
+@pytest.mark.vllm
+def test_a_benchmark_stopped_with_sigterm_stops_its_vllm_engines():
+    """`kill` (SIGTERM) on a running benchmark: it exits, and the vLLM engine
+    processes it started do not outlive it."""
+    pytest.importorskip("vllm")
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    proc = subprocess.Popen([sys.executable, "-m", "load_tests.spec_tail", "--quick", "--routes", "off"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    try:
+        for line in proc.stdout:  # wait for the fleet to be up and generating
+            if "[off] step 0" in line:
+                break
+        engines = [p for p in psutil.Process(proc.pid).children(recursive=True)]
+        assert engines, "the benchmark started no engine process"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) != 0
+
+        def running(p: psutil.Process) -> bool:
+            try:
+                return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                return False
+
+        deadline = time.monotonic() + 30
+        while any(running(p) for p in engines) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        alive = [p.pid for p in engines if running(p)]
+        assert not alive, f"engine processes {alive} outlived the benchmark"
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of its process group
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=30)
