@@ -37,7 +37,7 @@ TAIL = [[1, 4, 3], [5, 1 << 16, 0]]  # (batch from, batch to, K): the defaults o
 def tail_schedule(args) -> list[list[int]]:
     """K = `--k` while an engine runs at most `--tail-seqs` sequences, 0
     above; or `--schedule`, a depth per batch-size range."""
-    if getattr(args, "schedule", ""):
+    if args.schedule:
         from rollout_service.engines.spec_config import normalize_schedule
 
         try:
