@@ -382,6 +382,55 @@ async def test_online_drafter_catches_up_with_a_new_policy(spec_service, spec_en
     assert trained > frozen + 0.05  # ...and the online drafter wins much of it back
 
 
+async def test_a_drafter_distilled_from_the_pushed_policy_catches_up_before_that_policy_samples(
+        spec_service, spec_engine):
+    """`teacher = "policy"`: the drafter trainer only holds samples of the
+    *old* policy when the 3/7-swapped one is pushed. The push reaches the
+    trainer through the core's weight tap, and its round fits the drafter to
+    the pushed policy's distributions on those old prefixes: drafts of the
+    new policy's held-out greedy continuations are accepted more often than
+    the frozen drafter's, without a single sample of the new policy."""
+    from safetensors.torch import load_file
+
+    from rollout_service.tasks import encode
+
+    core = spec_service.core
+    original = load_file(os.path.join(MODEL, "model.safetensors"))
+    [three], [seven] = encode("3"), encode("7")
+    await spec_engine.speculation.set_schedule(ALWAYS)
+    runtime = SpecRuntime(core, SpecConfig.from_dict(spec_cfg(ALWAYS, tune=False, train=True, trainer={
+        "teacher": "policy", "min_new_samples": 10**9, "steps_per_round": 100, "nice": 0})))
+    await runtime.start()
+    trainer = runtime.trainer
+    try:
+        train = problem_prompts(128, seed=101)
+        done = await asyncio.gather(*(sample(spec_engine, p, 3, max_tokens=200, top_p=1.0, concurrency=3) for p in train))
+        trainer.add_examples(core.policy_version, [(p, list(ids)) for p, group in zip(train, done) for ids, _, _ in group])
+        held_out = problem_prompts(32, seed=202)
+        version = core.policy_version + 1
+        await core.update_weights(version, staged(swapped(original, three, seven)))
+        frozen = await greedy_acceptance(spec_engine, held_out)
+        for _ in range(3000):  # the push woke a round; it runs in the trainer's process
+            if trainer.rounds:
+                break
+            await asyncio.sleep(0.1)
+        assert trainer.rounds, "no drafter round within 300 s of the push"
+        distilled = await greedy_acceptance(spec_engine, held_out)
+        status = runtime.status().trainer
+    finally:
+        await runtime.stop()
+        await core.update_weights(core.policy_version + 1, staged(original))
+        await spec_engine.speculation.update_draft_weights(spec_engine.speculation.draft_version + 1,
+                                               staged(load_file(os.path.join(draft_model(), "model.safetensors"))))
+    print(f"greedy acceptance on the pushed policy's held-out continuations: frozen {frozen:.3f}, "
+          f"distilled {distilled:.3f}; expected acceptance of a sampled draft "
+          f"{status.last_acceptance_before:.3f} -> {status.last_acceptance_after:.3f} ({status.last_round_seconds:.1f} s)")
+    assert status.rounds == 1 and status.teacher == "policy"
+    assert status.distilled_from_policy_version == version  # the pushed weights taught it, not the model's own
+    assert status.last_acceptance_after > status.last_acceptance_before + 0.05
+    assert distilled > frozen + 0.03
+
+
 async def test_spec_runtime_reports_engines_and_tunes(spec_service, spec_engine):
     spec = SpecConfig.from_dict(dict(spec_cfg(TAIL), tune=True, tuner={"interval_s": 0.1, "epsilon": 0.0}))
     runtime = SpecRuntime(spec_service.core, spec)

@@ -316,3 +316,19 @@ async def test_the_online_drafter_trains_below_the_service_s_priority():
     assert child == os.nice(0) + 7
     with pytest.raises(ValueError, match="engine.spec.trainer.nice"):
         TrainerConfig.from_dict({"nice": 20})
+
+
+def test_a_drafter_teacher_outside_the_known_ones_is_refused_naming_the_field():
+    """`[engine.spec.trainer] teacher` is "samples" or "policy"; anything else
+    (or a policy teacher without the policy's model) is refused at start-up
+    with the field and the valid values in the message."""
+    from rollout_service.assets import tiny_draft_path
+    from rollout_service.drafter import DrafterTrainer, TrainerConfig
+
+    assert TrainerConfig.from_dict({}).teacher == "samples"
+    with pytest.raises(ValueError, match=r"engine.spec.trainer.teacher: must be one of samples, policy, got 'logits'"):
+        TrainerConfig.from_dict({"teacher": "logits"})
+    with pytest.raises(ValueError, match="engine.spec.trainer.distill_top_k"):
+        TrainerConfig.from_dict({"teacher": "policy", "distill_top_k": 0})
+    with pytest.raises(ValueError, match="needs the policy's model directory"):
+        DrafterTrainer([], TrainerConfig.from_dict({"teacher": "policy"}), str(tiny_draft_path()), lambda: 0)

@@ -126,6 +126,9 @@ class RolloutCore:
         # Called with every finished sample (e.g. the online drafter trainer);
         # must be cheap. One that raises is counted (`finish_errors`) and logged.
         self.sample_taps: list[Callable[[Sample], None]] = []
+        # Awaited with (version, staged weights or None) once a pushed version
+        # serves everywhere (e.g. the drafter trainer distilling from the policy).
+        self.weight_taps = self.weight_sync.taps
         self.trajectories = Trajectories(self, dict(environments or {}))
 
     # -- the parts, as attributes callers know -------------------------------------

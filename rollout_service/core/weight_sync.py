@@ -51,6 +51,9 @@ class WeightSync:
         self.lock = asyncio.Lock()
         self.last: StagedWeights | None = None  # applied last; kept staged for restarted engines
         self.restored: StagedWeights | None = None  # from a checkpoint, applied at start
+        # Awaited with (version, its staged copy or None) once a version serves
+        # everywhere, before the next push can release that copy.
+        self.taps: list[Callable[[int, StagedWeights | None], Awaitable[None]]] = []
         self._counters = counters
         self._histogram = histogram
         self._monotonic = monotonic
@@ -180,6 +183,11 @@ class WeightSync:
         self._counters["weight_updates"] += 1
         self._histogram.observe(self._monotonic() - t0)
         await self._apply_carry(plan, unfinished, work)
+        for tap in self.taps:
+            try:
+                await tap(version, staged)
+            except Exception:  # an observer's failure does not undo the push
+                log.exception("weight tap failed on version %d", version)
         return version
 
     async def _apply_carry(self, plan: CarryPlan, unfinished: list[Request], work: WorkOps) -> None:

@@ -8,6 +8,18 @@ service keeps training it: every finished sample of the last
 optimizer steps (next-token cross-entropy on response tokens, i.e.
 distillation from the target's own samples) runs in a separate process,
 starting from the bundled draft model and continuing from round to round.
+
+Samples of version v teach the drafter what v sampled, so a drafter trained
+on them is always a version behind the policy it drafts for. With
+`teacher = "policy"` the training process also holds a copy of the policy:
+every weight push reaches it (a core weight tap), and a round starts at once
+that fits the drafter to the *pushed* policy's next-token distributions on
+the recent samples' prefixes (forward KL on its top-`distill_top_k`
+probabilities), before the new version has sampled anything. At temperature
+1 a sampled draft token is accepted with probability sum_x min(p, q), which
+is 1 when the drafter's q equals the policy's p: the round reports that
+expectation on the newest prefixes before and after (`acceptance_before`,
+`acceptance_after`).
 Its weights come back as a safetensors file and are pushed to every engine
 through the draft-weight path (`engine.speculation.update_draft_weights`), numbered
 1, 2, ... Speculation is verified, so no push can change what is sampled:
@@ -47,6 +59,9 @@ from rollout_service.engines.weights import StagedWeights, read_safetensors, spl
 log = logging.getLogger(__name__)
 
 
+TEACHERS = ("samples", "policy")
+
+
 @dataclass(slots=True)
 class TrainerConfig:
     """`[engine.spec.trainer]` (learning rate, sizes in samples and tokens)."""
@@ -67,12 +82,21 @@ class TrainerConfig:
     # trains on what the engines leave; 0 trains at the engines' priority.
     nice: int = 10
     seed: int = 0
+    # What the drafter learns from: "samples" (the sampled tokens of the
+    # newest versions) or "policy" (the pushed policy's distributions on
+    # those samples' prefixes; the training process holds a policy copy).
+    teacher: str = "samples"
+    distill_top_k: int = 256  # teacher probabilities kept per position ("policy")
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any] | None) -> "TrainerConfig":
         cfg = from_table(cls, values, "engine.spec.trainer")
         if cfg.lr <= 0 or cfg.steps_per_round < 1 or cfg.batch_size < 1 or cfg.min_new_samples < 1 or cfg.versions_kept < 1:
             raise ValueError("engine.spec.trainer: lr, steps_per_round, batch_size, min_new_samples and versions_kept must be positive")
+        if cfg.teacher not in TEACHERS:
+            raise ValueError(f"engine.spec.trainer.teacher: must be one of {', '.join(TEACHERS)}, got {cfg.teacher!r}")
+        if cfg.distill_top_k < 1:
+            raise ValueError(f"engine.spec.trainer.distill_top_k: must be positive, got {cfg.distill_top_k}")
         if not 0 <= cfg.nice <= 19:
             raise ValueError(f"engine.spec.trainer.nice: must be in [0, 19], got {cfg.nice}")
         return cfg
@@ -83,9 +107,11 @@ class TrainerConfig:
 _STATE: dict[str, Any] = {}
 
 
-def _init_process(model_dir: str, lr: float, threads: int, seed: int, nice: int = 0) -> None:
+def _init_process(model_dir: str, lr: float, threads: int, seed: int, nice: int = 0,
+                  teacher_dir: str | None = None) -> None:
     """Load the drafter and its optimizer once per training process, at
-    `nice` below the service's priority."""
+    `nice` below the service's priority; and the policy (`teacher_dir`,
+    serving its own weights until a push replaces them) when it teaches."""
     if nice:
         os.nice(nice)
     import torch
@@ -101,6 +127,7 @@ def _init_process(model_dir: str, lr: float, threads: int, seed: int, nice: int 
         tied=bool(getattr(model.config, "tie_word_embeddings", False)),
         pad=int(model.config.pad_token_id or 0),
         rng=random.Random(seed),
+        teacher=AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32).eval() if teacher_dir else None,
     )
 
 
@@ -143,35 +170,126 @@ def _agreement(model, examples, max_len: int, pad: int) -> float:
     return hits / total if total else 0.0
 
 
+def _load_teacher(path: str) -> None:
+    """The training process's policy copy takes a pushed version's weights."""
+    from safetensors.torch import load_file
+
+    teacher = _STATE["teacher"]
+    state = load_file(path)
+    missing, unexpected = teacher.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not (m == "lm_head.weight" and teacher.config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise ValueError(f"pushed policy weights do not fit the drafter's policy copy: missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]}")
+
+
+def _teacher_targets(examples, max_len: int, pad: int, top_k: int) -> list[tuple[Any, Any]]:
+    """Per example, the policy's top-k next-token probabilities and their
+    token ids at every response position: ((n, k) float, (n, k) int)."""
+    import torch
+
+    teacher = _STATE["teacher"]
+    out = []
+    with torch.no_grad():
+        for i in range(0, len(examples), 16):
+            chunk = examples[i : i + 16]
+            input_ids, labels, mask = _batch(chunk, max_len, pad)
+            logp = torch.log_softmax(teacher(input_ids=input_ids, attention_mask=mask).logits[:, :-1].float(), -1)
+            valid = labels[:, 1:] != -100
+            k = min(top_k, logp.shape[-1])
+            for j in range(len(chunk)):
+                top = logp[j][valid[j]].topk(k, dim=-1)
+                out.append((top.values.exp().contiguous(), top.indices.to(torch.int32)))
+    return out
+
+
+def _distill_loss(model, batch, targets, max_len: int, pad: int):
+    """Forward KL (up to the teacher's entropy) of the drafter from the
+    policy's top-k distributions at the batch's response positions."""
+    import torch
+
+    input_ids, labels, mask = _batch(batch, max_len, pad)
+    shape = (len(batch), input_ids.shape[1] - 1)
+    probs = torch.zeros((*shape, targets[0][0].shape[-1]))
+    ids = torch.zeros((*shape, targets[0][0].shape[-1]), dtype=torch.long)
+    valid = torch.zeros(shape, dtype=torch.bool)
+    shifted = labels[:, 1:] != -100
+    for j, (p, t) in enumerate(targets):
+        rows = shifted[j].nonzero().squeeze(-1)
+        probs[j, rows] = p
+        ids[j, rows] = t.long()
+        valid[j, rows] = True
+    logq = torch.log_softmax(model(input_ids=input_ids, attention_mask=mask).logits[:, :-1], -1)
+    return -(probs * logq.gather(-1, ids)).sum(-1)[valid].mean()
+
+
+def _expected_acceptance(model, examples, targets, max_len: int, pad: int) -> float:
+    """Mean over response positions of sum_x min(p, q): the probability that
+    a draft token sampled from the drafter q is accepted by the policy p
+    (over the teacher's top-k: a lower bound, exact when k covers the
+    vocabulary)."""
+    import torch
+
+    model.eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for i in range(0, len(examples), 16):
+            chunk, tchunk = examples[i : i + 16], targets[i : i + 16]
+            input_ids, labels, mask = _batch(chunk, max_len, pad)
+            q = torch.softmax(model(input_ids=input_ids, attention_mask=mask).logits[:, :-1], -1)
+            shifted = labels[:, 1:] != -100
+            for j, (p, t) in enumerate(tchunk):
+                qj = q[j][shifted[j]].gather(-1, t.long())
+                total += float(torch.minimum(p, qj).sum())
+                count += p.shape[0]
+    model.train()
+    return total / count if count else 0.0
+
+
 def _train_round(examples: list[tuple[list[int], list[int]]], fresh: list[tuple[list[int], list[int]]],
-                 steps: int, batch_size: int, max_len: int, out_path: str) -> dict[str, float]:
+                 steps: int, batch_size: int, max_len: int, out_path: str, teacher_path: str | None = None,
+                 top_k: int = 0) -> dict[str, float]:
     """`steps` optimizer steps on `examples`; writes the drafter's weights
     (checkpoint format) to `out_path`. `fresh` (samples not trained on yet)
-    measures the drafter's agreement before and after the round."""
+    measures the drafter's agreement before and after the round. With a
+    policy copy in the process (`teacher`) the drafter fits its top-`top_k`
+    distributions instead of the sampled tokens, after `teacher_path` (a
+    pushed version, if any) is loaded into it."""
     import torch
     from safetensors.torch import save_file
 
     model, optimizer, rng, pad = _STATE["model"], _STATE["optimizer"], _STATE["rng"], _STATE["pad"]
     t0 = time.perf_counter()
+    distil = _STATE.get("teacher") is not None
+    if distil:
+        if teacher_path:
+            _load_teacher(teacher_path)
+        targets = _teacher_targets(examples, max_len, pad, top_k)
+        fresh_targets = _teacher_targets(fresh, max_len, pad, top_k) if fresh else []
+        acceptance_before = _expected_acceptance(model, fresh, fresh_targets, max_len, pad) if fresh else 0.0
     before = _agreement(model, fresh, max_len, pad) if fresh else 0.0
     losses = []
     tokens = 0
     for _ in range(steps):
-        batch = [examples[rng.randrange(len(examples))] for _ in range(min(batch_size, len(examples)))]
-        input_ids, labels, mask = _batch(batch, max_len, pad)
-        loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
+        picks = [rng.randrange(len(examples)) for _ in range(min(batch_size, len(examples)))]
+        batch = [examples[i] for i in picks]
+        if distil:
+            loss = _distill_loss(model, batch, [targets[i] for i in picks], max_len, pad)
+        else:
+            input_ids, labels, mask = _batch(batch, max_len, pad)
+            loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         losses.append(float(loss.detach()))
-        tokens += int((labels != -100).sum())
+        tokens += sum(min(len(p) + len(r), max_len) - min(len(p), max_len) for p, r in batch)
     after = _agreement(model, fresh, max_len, pad) if fresh else 0.0
     state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
     if _STATE["tied"]:
         state.pop("lm_head.weight", None)  # tied to the embedding; vLLM skips it
     save_file(state, out_path)
-    return {
+    record = {
         "loss_first": losses[0],
         "loss_last": losses[-1],
         "tokens": tokens,
@@ -179,6 +297,10 @@ def _train_round(examples: list[tuple[list[int], list[int]]], fresh: list[tuple[
         "agreement_after": after,
         "seconds": time.perf_counter() - t0,
     }
+    if distil and fresh:
+        record["acceptance_before"] = acceptance_before
+        record["acceptance_after"] = _expected_acceptance(model, fresh, fresh_targets, max_len, pad)
+    return record
 
 
 # -- the service side ------------------------------------------------------------------
@@ -200,11 +322,16 @@ class DrafterTrainer:
     pushes each round's drafter to the engines."""
 
     def __init__(self, engines: Iterable[Engine], cfg: TrainerConfig, draft_model_dir: str,
-                 policy_version: Callable[[], int]) -> None:
+                 policy_version: Callable[[], int], policy_model_dir: str | None = None) -> None:
+        if cfg.teacher == "policy" and not policy_model_dir:
+            raise ValueError("engine.spec.trainer.teacher = \"policy\" needs the policy's model directory")
         self.engines = [e for e in engines if has_draft_model(e)]
         self.cfg = cfg
         self.draft_model_dir = draft_model_dir
+        self.policy_model_dir = policy_model_dir if cfg.teacher == "policy" else None
         self.policy_version = policy_version
+        self.teacher_version = 0  # the pushed policy version the next round distils from ("policy")
+        self._teacher_path: str | None = None  # its weights, copied into the trainer's directory
         self.buffer: deque[tuple[int, list[int], list[int]]] = deque(maxlen=cfg.buffer_samples)
         self.new_samples = 0
         self.rounds_run = 0
@@ -242,6 +369,32 @@ class DrafterTrainer:
         if self.new_samples >= self.cfg.min_new_samples:
             self._wake.set()
 
+    async def policy_updated(self, version: int, staged: StagedWeights | None) -> None:
+        """A core weight tap: `version` now serves. With the policy as teacher,
+        keep a copy of its weights (the push's staged file is released at the
+        next push) and start a round that fits the drafter to it."""
+        if self.policy_model_dir is None:
+            return
+        if staged is None:  # a collective push keeps no staged copy
+            log.warning("drafter: policy v%d arrived without a staged copy; the drafter distils from v%d",
+                        version, self.teacher_version)
+            return
+        source = await staged.as_file()
+        path = os.path.join(self._dir, f"policy-{version}.safetensors")
+        incoming = os.path.join(self._dir, f"incoming-{version}.safetensors")  # not dropped while it is copied
+        await asyncio.to_thread(shutil.copyfile, source, incoming)
+        os.replace(incoming, path)
+        self._teacher_path, self.teacher_version = path, version
+        if self.buffer:
+            self._wake.set()
+
+    def _drop_old_teachers(self) -> None:
+        """Remove copied policy versions older than the newest (after a round)."""
+        for name in os.listdir(self._dir):
+            path = os.path.join(self._dir, name)
+            if name.startswith("policy-") and path != self._teacher_path:
+                os.unlink(path)
+
     # -- lifecycle ---------------------------------------------------------------
 
     def _ensure_pool(self) -> concurrent.futures.ProcessPoolExecutor:
@@ -250,7 +403,8 @@ class DrafterTrainer:
                 max_workers=1,
                 mp_context=multiprocessing.get_context("spawn"),
                 initializer=_init_process,
-                initargs=(self.draft_model_dir, self.cfg.lr, self.cfg.threads, self.cfg.seed, self.cfg.nice),
+                initargs=(self.draft_model_dir, self.cfg.lr, self.cfg.threads, self.cfg.seed, self.cfg.nice,
+                          self.policy_model_dir),
             )
         return self._pool
 
@@ -303,20 +457,28 @@ class DrafterTrainer:
             self.new_samples = 0
             version = self.draft_version + 1
             out_path = os.path.join(self._dir, f"draft-{version}-{self.rounds_run}.safetensors")
+            teacher_version = self.teacher_version
             loop = asyncio.get_running_loop()
-            stats = await loop.run_in_executor(
-                self._ensure_pool(), _train_round, examples, fresh, self.cfg.steps_per_round,
-                self.cfg.batch_size, self.cfg.max_len, out_path)
+            try:
+                stats = await loop.run_in_executor(
+                    self._ensure_pool(), _train_round, examples, fresh, self.cfg.steps_per_round,
+                    self.cfg.batch_size, self.cfg.max_len, out_path, self._teacher_path, self.cfg.distill_top_k)
+            finally:
+                self._drop_old_teachers()
             version = max(version, self.draft_version + 1)  # a push from outside may have come meanwhile
             record = dict(stats, draft_version=version, policy_version=self.policy_version(),
                           examples=len(examples), at=time.time())
+            if self.policy_model_dir is not None:
+                record["teacher_version"] = teacher_version
             if push:
                 record["push_seconds"] = await self.push_file(version, out_path)
             self.rounds_run += 1
             self.rounds.append(record)
-            log.info("drafter v%d: loss %.3f -> %.3f, agreement %.3f -> %.3f on %d fresh samples",
+            log.info("drafter v%d: loss %.3f -> %.3f, agreement %.3f -> %.3f on %d fresh samples%s",
                      version, stats["loss_first"], stats["loss_last"],
-                     stats["agreement_before"], stats["agreement_after"], len(fresh))
+                     stats["agreement_before"], stats["agreement_after"], len(fresh),
+                     f", expected acceptance {stats['acceptance_before']:.3f} -> {stats['acceptance_after']:.3f}"
+                     f" under policy v{teacher_version}" if "acceptance_after" in stats else "")
             return record
 
     async def push_file(self, version: int, path: str) -> float:
@@ -354,4 +516,8 @@ class DrafterTrainer:
             last_agreement_before=last.get("agreement_before"),
             last_agreement_after=last.get("agreement_after"),
             last_round_seconds=last.get("seconds"),
+            teacher=self.cfg.teacher,
+            distilled_from_policy_version=last.get("teacher_version"),
+            last_acceptance_before=last.get("acceptance_before"),
+            last_acceptance_after=last.get("acceptance_after"),
         )

@@ -10,7 +10,7 @@ drafter trainer attached to a running core, per `[engine.spec]`.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Mapping, Protocol
+from typing import Awaitable, Callable, Mapping, Protocol
 
 from rollout_service.drafter.draft_push import DraftPush
 from rollout_service.drafter.drafter_trainer import DrafterTrainer, TrainerConfig, serving_draft_version
@@ -31,6 +31,7 @@ class CoreView(Protocol):
 
     engines: Mapping[str, Engine]
     sample_taps: list[Callable[[Sample], None]]  # called with every finished sample
+    weight_taps: list[Callable[[int, StagedWeights | None], Awaitable[None]]]  # awaited once a pushed version serves
 
     @property
     def policy_version(self) -> int: ...
@@ -56,7 +57,9 @@ class SpecRuntime:
             if all(e.kind == "sim" for e in engines):
                 self.trainer = ModelledDrafterTrainer(engines, trainer_cfg, lambda: core.policy_version)
             else:
-                self.trainer = DrafterTrainer(engines, trainer_cfg, spec.draft_model_path(), lambda: core.policy_version)
+                self.trainer = DrafterTrainer(engines, trainer_cfg, spec.draft_model_path(), lambda: core.policy_version,
+                                              policy_model_dir=engines[0].describe().model
+                                              if trainer_cfg.teacher == "policy" else None)
         self.draft_push = DraftPush(spec, lambda: core.engines.values())
 
     async def start(self) -> None:
@@ -64,6 +67,8 @@ class SpecRuntime:
             self.tuner.start()
         if self.trainer is not None and self.trainer.engines:
             self.core.sample_taps.append(self.trainer.observe)
+            if isinstance(self.trainer, DrafterTrainer) and self.trainer.policy_model_dir is not None:
+                self.core.weight_taps.append(self.trainer.policy_updated)
             self.trainer.start()
 
     async def stop(self) -> None:
@@ -72,6 +77,8 @@ class SpecRuntime:
         if self.trainer is not None:
             if self.trainer.observe in self.core.sample_taps:
                 self.core.sample_taps.remove(self.trainer.observe)
+            if isinstance(self.trainer, DrafterTrainer) and self.trainer.policy_updated in self.core.weight_taps:
+                self.core.weight_taps.remove(self.trainer.policy_updated)
             await self.trainer.stop()
 
     def serving_draft_version(self) -> int:

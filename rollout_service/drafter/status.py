@@ -23,6 +23,12 @@ class TrainerStatus:
     last_agreement_before: float | None = None
     last_agreement_after: float | None = None
     last_round_seconds: float | None = None
+    teacher: str = "samples"  # what the drafter learns from (engine.spec.trainer.teacher)
+    distilled_from_policy_version: int | None = None  # the policy version the last round fitted ("policy")
+    # The last round's expected per-token acceptance of a sampled draft under
+    # that policy, on the newest prefixes, before and after ("policy").
+    last_acceptance_before: float | None = None
+    last_acceptance_after: float | None = None
 
 
 @dataclass(slots=True, frozen=True)
