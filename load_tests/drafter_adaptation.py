@@ -1,30 +1,40 @@
 """Does the online drafter keep up with a training policy? The acceptance
-length of a frozen drafter and of the online-trained one over successive
-policy versions, on real vLLM CPU engines.
+length of a frozen drafter and of online-trained ones over successive policy
+versions, side by side on real vLLM CPU engines.
 
-    python -m load_tests.drafter_adaptation --report reports/drafter-adaptation          # ~6 min
+    python -m load_tests.drafter_adaptation --drift rft --report reports/drafter-adaptation   # ~25 min
     python -m load_tests.drafter_adaptation --quick --report reports/drafter-adaptation-quick
 
-Two cores of one engine each serve the bundled tiny reasoner with the
-bundled drafter and speculate at every batch size (K=3, drafts sampled from
-the drafter). Each policy version:
+One engine per drafter (`--drafters`, default all three) serves the bundled
+tiny reasoner and speculates at every batch size (K=3, greedy drafts unless
+`--draft-sampling probabilistic`):
 
-1. one rollout step on each: the same GRPO groups of tiny-reasoner
+- `frozen`: the bundled drafter, never updated;
+- `samples`: trained online (`DrafterTrainer`, its own process) on the
+  samples of the newest two policy versions, through its core's sample tap;
+- `policy`: distilled online from each pushed policy (`teacher = "policy"`):
+  the push reaches its trainer through the core's weight tap, and the round
+  fits the drafter to the new version's next-token distributions on the
+  newest samples' prefixes, before that version samples anything.
+
+Each policy version:
+
+1. one rollout step on each engine: the same GRPO groups of tiny-reasoner
    problems, temperature 1.0;
 2. each engine's acceptance over the step is recorded (mean acceptance
-   length: tokens per verify step of one request, bonus token included);
-3. the online trainer (`DrafterTrainer`, in its own process) trains one round
-   on the samples of the newest two policy versions and pushes the drafter to
-   the *adaptive* engine only; the *frozen* engine keeps the bundled drafter;
-   the trainer sees the adaptive core's samples through its sample tap;
-4. the policy trains: a few optimizer steps of the target, pushed to both
-   cores with `RolloutCore.update_weights`. `--drift shifted` (default):
+   length: tokens per verify step of one request, bonus token included),
+   and, on the step's samples, the policy's entropy and the acceptance
+   ceiling of greedy drafts (the mean probability of its top token);
+3. the policy trains: a few optimizer steps of the target, pushed to every
+   core with `RolloutCore.update_weights`. `--drift shifted` (default):
    on shifted data, the step's reference solutions with ";" between lines,
    a style the policy adopts over the versions (a stand-in for what RL
    changes: systematic, and unknown to the bundled drafter); `--drift rft`:
-   on its own correct samples (rejection-sampling fine-tuning).
+   on its own correct samples (rejection-sampling fine-tuning);
+4. each online drafter trains one round (same steps and learning rate) and
+   is pushed to its own engine, before the next rollout step.
 
-Sampling is exact on both engines, so they serve the same policy; only the
+Sampling is exact on every engine, so they serve the same policy; only the
 drafters differ. Writes DIR/drafter_adaptation.json and .png.
 """
 from __future__ import annotations
@@ -32,6 +42,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -39,6 +50,13 @@ from pathlib import Path
 import numpy as np
 
 from load_tests.report import save_json
+
+# What each online drafter learns from (`[engine.spec.trainer] teacher`).
+TEACHER = {"samples": "samples", "policy": "policy"}
+DRAFTERS = ("frozen", *TEACHER)
+STYLE = {"frozen": "s--", "samples": "o-", "policy": "^-"}
+LABEL = {"frozen": "frozen (bundled) drafter", "samples": "online, trained on samples",
+         "policy": "online, distilled from the pushed policy"}
 
 
 def _staged(state: dict):
@@ -49,6 +67,29 @@ def _staged(state: dict):
     tensors = [WeightTensor(k, "float32", tuple(v.shape), memoryview(v.detach().contiguous().view(-1).view(torch.uint8).numpy()))
                for k, v in state.items()]
     return StagedWeights(tensors)
+
+
+def _policy_sharpness(model, samples, limit: int = 64) -> dict:
+    """On (up to `limit` of) a step's samples, under the policy that sampled
+    them: its mean next-token entropy (nats) and the mean probability of its
+    most likely token, which is the per-token acceptance a perfect drafter
+    reaches with greedy drafts (sampled drafts from a perfect drafter are
+    always accepted)."""
+    import torch
+
+    from rollout_service.drafter.drafter_trainer import _batch
+
+    entropy, top, count = 0.0, 0.0, 0
+    pairs = [(s.prompt_token_ids, s.response_token_ids) for s in samples[:limit]]
+    with torch.no_grad():
+        for i in range(0, len(pairs), 16):
+            input_ids, labels, mask = _batch(pairs[i:i + 16], 1024, 0)
+            logp = torch.log_softmax(model(input_ids=input_ids, attention_mask=mask).logits[:, :-1], -1)
+            valid = labels[:, 1:] != -100
+            entropy += float(-(logp.exp() * logp).sum(-1)[valid].sum())
+            top += float(logp.max(-1).values.exp()[valid].sum())
+            count += int(valid.sum())
+    return {"policy_entropy": entropy / count, "greedy_draft_ceiling": top / count}
 
 
 def _policy_state(model) -> dict:
@@ -127,24 +168,32 @@ async def run(args) -> dict:
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)
     rng = np.random.default_rng(args.seed)
-    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3, "schedule": [[1, 64, 3]]}
+    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3, "schedule": [[1, 64, 3]],
+            "draft_sample_method": args.draft_sampling}
     # One core (and one engine) per drafter, fed the same prompts: the engines
     # serve the same policy and sample exactly from it, only the drafters differ.
+    cpus = max(1, len(os.sched_getaffinity(0)))
     cores = {}
-    for i, name in enumerate(("frozen", "adaptive")):
-        engine = VllmEngine(name, target, max_seqs=64, max_model_len=1024, cpu_bind=str(i), seed=i, spec=spec)
+    for i, name in enumerate(args.drafters):
+        engine = VllmEngine(name, target, max_seqs=64, max_model_len=1024, cpu_bind=str(i % cpus), seed=i, spec=spec)
         cores[name] = RolloutCore([engine], make_placement("least-assigned"), Clock())
     await asyncio.gather(*(core.start() for core in cores.values()))
-    adaptive = cores["adaptive"]
-    trainer = DrafterTrainer(adaptive.engines.values(), TrainerConfig(steps_per_round=args.draft_steps, lr=args.draft_lr,
-                                                                      versions_kept=args.draft_versions,
-                                                                      seed=args.seed, min_new_samples=10**9),
-                             draft, lambda: adaptive.policy_version)
-    adaptive.sample_taps.append(trainer.observe)
+    trainers = {}
+    for name in args.drafters:
+        if name == "frozen":
+            continue
+        core = cores[name]
+        trainers[name] = DrafterTrainer(core.engines.values(), TrainerConfig(
+            steps_per_round=args.draft_steps, lr=args.draft_lr, versions_kept=args.draft_versions, seed=args.seed,
+            min_new_samples=10**9, teacher=TEACHER[name]), draft, lambda core=core: core.policy_version,
+            policy_model_dir=target if TEACHER[name] == "policy" else None)
+        core.sample_taps.append(trainers[name].observe)
+        core.weight_taps.append(trainers[name].policy_updated)
     policy = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.policy_lr, weight_decay=0.0)
     versions = []
     problems = generate_problems(args.versions * args.groups, seed=args.seed + 1)
+    first = next(iter(cores.values()))
     try:
         for v in range(args.versions):
             step = problems[v * args.groups:(v + 1) * args.groups]
@@ -156,21 +205,23 @@ async def run(args) -> dict:
                                 for i, p in enumerate(step)], f"{name}-v{v}-")
                 for name, core in cores.items()))
             rollout_s = time.perf_counter() - t0
-            record = {"policy_version": adaptive.policy_version, "rollout_s": rollout_s,
-                      "drafter_version": trainer.draft_version}
+            record = {"policy_version": first.policy_version, "rollout_s": rollout_s,
+                      "drafter_versions": {name: t.draft_version for name, t in trainers.items()}}
             for name, core in cores.items():
                 record[name] = _spec_delta(next(iter(core.engines.values())).speculation.monitor, before[name])
             samples = [s for batch in results for s in batch]
             record["tokens"] = sum(len(s.response_token_ids) for s in samples)
             rewards = [verify(step[int(s.group_id.rsplit("-g", 1)[1])], decode(s.response_token_ids)) for s in samples]
             record["reward_mean"] = float(np.mean(rewards))
-            print(f"policy v{record['policy_version']}: acceptance length frozen "
-                  f"{record['frozen']['mean_acceptance_length']:.2f}, adaptive {record['adaptive']['mean_acceptance_length']:.2f} "
-                  f"(drafter v{trainer.draft_version}); reward {record['reward_mean']:.2f}; "
+            record.update(await asyncio.to_thread(_policy_sharpness, policy, samples))
+            print(f"policy v{record['policy_version']}: acceptance length "
+                  + ", ".join(f"{name} {record[name]['mean_acceptance_length']:.2f}" for name in cores)
+                  + f"; policy entropy {record['policy_entropy']:.3f} nats, greedy-draft ceiling "
+                  f"{record['greedy_draft_ceiling']:.3f}/token; reward {record['reward_mean']:.2f}; "
                   f"{record['tokens']} tokens in {rollout_s:.1f} s", flush=True)
-            # The drafter learns the samples of the newest two policy versions.
-            round_ = await trainer.train_once()
-            record["drafter_round"] = {k: round_[k] for k in ("loss_first", "loss_last", "seconds", "examples")}
+            versions.append(record)
+            if v == args.versions - 1:
+                break  # nothing would measure a further policy or drafter
             if args.drift == "shifted":
                 # The policy trains on the step's reference solutions written
                 # with ";" between lines: a style it adopts version by version.
@@ -183,14 +234,23 @@ async def run(args) -> dict:
                                                             args.policy_batch, rng)
             record["policy_examples"] = len(examples)
             state = _policy_state(policy)
+            # The push reaches the policy-taught trainers through the cores' weight taps.
             await asyncio.gather(*(core.update_weights(core.policy_version + 1, _staged(state)) for core in cores.values()))
-            versions.append(record)
+            # Each online drafter trains one round before the new version samples:
+            # "samples" on the newest versions' samples (the new version has none
+            # yet), "policy" on the new version's distributions over their prefixes.
+            rounds = await asyncio.gather(*(t.train_once() for t in trainers.values()))
+            record["drafter_rounds"] = {
+                name: {k: r[k] for k in ("loss_first", "loss_last", "seconds", "examples", "acceptance_before",
+                                         "acceptance_after", "teacher_version") if k in r}
+                for name, r in zip(trainers, rounds) if r is not None}
     finally:
-        await trainer.stop()
+        await asyncio.gather(*(t.stop() for t in trainers.values()))
         await asyncio.gather(*(core.stop() for core in cores.values()))
     return {
         "target": target, "draft": draft, "versions": versions,
-        "config": {k: getattr(args, k) for k in ("drift", "versions", "groups", "samples", "max_tokens", "draft_steps",
+        "config": {k: getattr(args, k) for k in ("drafters", "draft_sampling", "drift", "versions", "groups", "samples",
+                                                 "max_tokens", "draft_steps",
                                                  "draft_lr", "draft_versions",
                                                  "policy_steps", "policy_batch", "policy_lr", "seed")},
     }
@@ -204,11 +264,12 @@ def plot(out: dict, path: Path) -> None:
 
     vs = [r["policy_version"] for r in out["versions"]]
     fig, ax = plt.subplots(figsize=(7, 4))
-    for name, style in (("frozen", "s--"), ("adaptive", "o-")):
-        ax.plot(vs, [r[name]["mean_acceptance_length"] for r in out["versions"]], style, label=f"{name} drafter")
+    for name in out["config"]["drafters"]:
+        ax.plot(vs, [r[name]["mean_acceptance_length"] for r in out["versions"]], STYLE[name], label=LABEL[name])
     ax.set_xlabel("policy version")
     ax.set_ylabel("mean acceptance length (tokens / verify step)")
-    ax.set_title("online drafter training vs the bundled drafter (K=3)")
+    ax.set_title(f"online drafters vs the bundled one (K=3, {out['config']['draft_sampling']} drafts, "
+                 f"drift: {out['config']['drift']})")
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -220,6 +281,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="", help="target (policy) model directory (default: the bundled tiny reasoner)")
     p.add_argument("--draft", default="", help="initial drafter (default: the bundled drafter)")
+    p.add_argument("--drafters", default=",".join(DRAFTERS),
+                   help="drafters side by side, one engine each: frozen (the bundled drafter), samples (trained "
+                        "online on the newest versions' samples), policy (distilled from each pushed policy on "
+                        "those samples' prefixes, before it samples)")
+    p.add_argument("--draft-sampling", choices=["greedy", "probabilistic"], default="greedy",
+                   help="draft tokens: the drafter's most likely ones, or sampled from it (engine.spec.draft_sample_method)")
     p.add_argument("--versions", type=int, default=8, help="policy versions to run")
     p.add_argument("--groups", type=int, default=48, help="GRPO groups per rollout step")
     p.add_argument("--samples", type=int, default=4, help="samples per group")
@@ -238,6 +305,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="4 versions of 8 groups")
     p.add_argument("--report", help="output directory")
     args = p.parse_args(argv)
+    args.drafters = [d.strip() for d in args.drafters.split(",") if d.strip()]
+    unknown = [d for d in args.drafters if d not in DRAFTERS]
+    if unknown or not args.drafters:
+        p.error(f"--drafters: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(DRAFTERS)}")
     if args.quick:
         args.versions, args.groups, args.max_tokens = min(args.versions, 3), min(args.groups, 16), min(args.max_tokens, 200)
     out = asyncio.run(run(args))
@@ -245,9 +316,10 @@ def main(argv: list[str] | None = None) -> int:
     later = out["versions"][1:]
     if later:
         out["summary"] = {
-            "frozen_mean_acceptance_length": float(np.mean([r["frozen"]["mean_acceptance_length"] for r in later])),
-            "adaptive_mean_acceptance_length": float(np.mean([r["adaptive"]["mean_acceptance_length"] for r in later])),
-        }
+            f"{name}_mean_acceptance_length": float(np.mean([r[name]["mean_acceptance_length"] for r in later]))
+            for name in args.drafters}
+        out["summary"].update({f"{name}_last_acceptance_length": later[-1][name]["mean_acceptance_length"]
+                               for name in args.drafters})
         print(json.dumps(out["summary"], indent=2))
     path = save_json(args.report, "drafter_adaptation.json", out)
     if path is not None:

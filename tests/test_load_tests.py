@@ -643,3 +643,13 @@ def test_a_benchmark_stopped_with_sigterm_stops_its_vllm_engines():
         except ProcessLookupError:
             pass
         proc.wait(timeout=30)
+
+
+def test_the_adaptation_curve_refuses_an_unknown_drafter_before_starting_engines(capsys):
+    """`drafter_adaptation --drafters` names the drafters side by side; a typo
+    is refused with the valid names, before any engine starts."""
+    from load_tests.drafter_adaptation import main as adaptation
+
+    with pytest.raises(SystemExit):
+        adaptation(["--drafters", "frozen,distilled"])
+    assert "--drafters: unknown distilled; choose from frozen, samples, policy" in capsys.readouterr().err
