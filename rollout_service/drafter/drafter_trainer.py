@@ -332,6 +332,7 @@ class DrafterTrainer:
         self.policy_version = policy_version
         self.teacher_version = 0  # the pushed policy version the next round distils from ("policy")
         self._teacher_path: str | None = None  # its weights, copied into the trainer's directory
+        self._teacher_loaded = 0  # the version the training process's policy copy holds
         self.buffer: deque[tuple[int, list[int], list[int]]] = deque(maxlen=cfg.buffer_samples)
         self.new_samples = 0
         self.rounds_run = 0
@@ -458,11 +459,16 @@ class DrafterTrainer:
             version = self.draft_version + 1
             out_path = os.path.join(self._dir, f"draft-{version}-{self.rounds_run}.safetensors")
             teacher_version = self.teacher_version
+            # The process's policy copy keeps the last version it loaded.
+            teacher_path = self._teacher_path if teacher_version != self._teacher_loaded else None
+            if self.policy_model_dir is not None and not fresh:
+                fresh = examples[-64:]  # a round woken by a push: measure it on the newest prefixes anyway
             loop = asyncio.get_running_loop()
             try:
                 stats = await loop.run_in_executor(
                     self._ensure_pool(), _train_round, examples, fresh, self.cfg.steps_per_round,
-                    self.cfg.batch_size, self.cfg.max_len, out_path, self._teacher_path, self.cfg.distill_top_k)
+                    self.cfg.batch_size, self.cfg.max_len, out_path, teacher_path, self.cfg.distill_top_k)
+                self._teacher_loaded = teacher_version
             finally:
                 self._drop_old_teachers()
             version = max(version, self.draft_version + 1)  # a push from outside may have come meanwhile
