@@ -653,3 +653,14 @@ def test_the_adaptation_curve_refuses_an_unknown_drafter_before_starting_engines
     with pytest.raises(SystemExit):
         adaptation(["--drafters", "frozen,distilled"])
     assert "--drafters: unknown distilled; choose from frozen, samples, policy" in capsys.readouterr().err
+
+
+def test_the_drafter_capacity_study_refuses_a_malformed_grid(capsys):
+    """`drafter_capacity --grid` takes LRxSTEPS points; anything else is
+    refused with the expected form, before the policy drifts."""
+    from load_tests.drafter_capacity import main as capacity
+
+    for bad in ("3e-4", "1e-3x0", "fastx300"):
+        with pytest.raises(SystemExit):
+            capacity(["--grid", bad])
+        assert "--grid:" in capsys.readouterr().err

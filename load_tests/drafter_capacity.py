@@ -1,0 +1,203 @@
+"""How close can the bundled drafter get to a policy that has drifted, given
+all the training it wants? Offline, no engines: the per-token acceptance a
+drafter reaches on held-out samples of a drifted policy, against what a
+perfect drafter would reach, for several distillation budgets.
+
+    python -m load_tests.drafter_capacity --report reports/drafter-capacity   # ~15 min on 2 CPU cores
+
+1. The bundled reasoner drifts as in `drafter_adaptation --drift shifted`:
+   `--versions` x `--policy-steps` optimizer steps on the reference
+   solutions of fresh problems written with ";" between lines.
+2. The drifted policy samples `--train` and `--held-out` responses at
+   temperature 1 (its own prefixes, as the engines would produce them).
+3. The ceiling on the held-out prefixes: with greedy drafts a perfect
+   drafter is accepted with the policy's top probability; a draft sampled
+   from a perfect drafter is always accepted.
+4. For each `--grid` point (lr x steps) the bundled drafter is distilled
+   from the policy's distributions on the training prefixes (the loss of
+   `[engine.spec.trainer] teacher = "policy"`), and once trained on the
+   sampled tokens instead (the `teacher = "samples"` loss) at the first
+   point. Held-out acceptance per token: greedy drafts, p(argmax q);
+   sampled drafts, sum_x min(p, q). With K=3 a per-token acceptance a
+   gives about 1 + a + a^2 + a^3 tokens per verify step.
+
+Writes DIR/drafter_capacity.json.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+
+import numpy as np
+
+from load_tests.report import save_json
+
+MAX_LEN = 1024
+
+
+def _sample(model, prompts: list[list[int]], max_tokens: int, seed: int) -> list[tuple[list[int], list[int]]]:
+    """(prompt, response) pairs sampled at temperature 1, in left-padded batches."""
+    import torch
+
+    from rollout_service.tasks import EOS_ID
+
+    torch.manual_seed(seed)
+    out = []
+    with torch.no_grad():
+        for i in range(0, len(prompts), 32):
+            chunk = prompts[i:i + 32]
+            width = max(len(p) for p in chunk)
+            ids = torch.zeros((len(chunk), width), dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for j, p in enumerate(chunk):
+                ids[j, width - len(p):] = torch.tensor(p)
+                mask[j, width - len(p):] = 1
+            gen = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
+                                 top_p=1.0, max_new_tokens=max_tokens, eos_token_id=EOS_ID, pad_token_id=0)
+            for j, p in enumerate(chunk):
+                response = gen[j, width:].tolist()
+                if EOS_ID in response:
+                    response = response[:response.index(EOS_ID) + 1]
+                out.append((p, response))
+    return out
+
+
+def _acceptance(model, examples, targets) -> dict:
+    """Held-out per-token acceptance of greedy and of sampled drafts."""
+    import torch
+
+    from rollout_service.drafter.drafter_trainer import _batch, _expected_acceptance
+
+    model.eval()
+    greedy = count = 0.0
+    with torch.no_grad():
+        for i in range(0, len(examples), 16):
+            input_ids, labels, mask = _batch(examples[i:i + 16], MAX_LEN, 0)
+            logits = model(input_ids=input_ids, attention_mask=mask).logits[:, :-1]
+            shifted = labels[:, 1:] != -100
+            for j, (p, ids) in enumerate(targets[i:i + 16]):
+                draft = logits[j][shifted[j]].argmax(-1, keepdim=True)
+                greedy += float((p * (ids.long() == draft)).sum())
+                count += p.shape[0]
+    sampled = _expected_acceptance(model, examples, targets, MAX_LEN, 0)
+    return {"greedy": greedy / count, "sampled": sampled}
+
+
+def _train(base, train, targets, lr: float, steps: int, loss: str, seed: int) -> tuple:
+    import torch
+
+    from rollout_service.drafter.drafter_trainer import _batch, _distill_loss
+
+    model = copy.deepcopy(base).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    rng = np.random.default_rng(seed)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        picks = rng.integers(0, len(train), 16)
+        batch = [train[i] for i in picks]
+        if loss == "policy":
+            value = _distill_loss(model, batch, [targets[i] for i in picks], MAX_LEN, 0)
+        else:
+            input_ids, labels, mask = _batch(batch, MAX_LEN, 0)
+            value = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
+        optimizer.zero_grad(set_to_none=True)
+        value.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+    return model, time.perf_counter() - t0
+
+
+def _length(a: float, k: int = 3) -> float:
+    return sum(a ** i for i in range(k + 1))
+
+
+def run(args) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from load_tests.drafter_adaptation import _fine_tune
+    from rollout_service.assets import tiny_draft_path, tiny_model_path
+    from rollout_service.drafter import drafter_trainer
+    from rollout_service.tasks import EOS_ID, encode, generate_problems, prompt_token_ids
+
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(args.threads)
+    rng = np.random.default_rng(args.seed)
+    policy = AutoModelForCausalLM.from_pretrained(str(tiny_model_path()), dtype=torch.float32).eval()
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.policy_lr, weight_decay=0.0)
+    problems = generate_problems(args.versions * 48, seed=args.seed + 1)
+    for v in range(args.versions):
+        step = problems[v * 48:(v + 1) * 48]
+        examples = [(prompt_token_ids(p), encode(p.solution.replace("\n", ";")) + [EOS_ID]) for p in step]
+        _fine_tune(policy, optimizer, examples, args.policy_steps, 8, rng)
+        print(f"policy v{v + 1}: drifted", flush=True)
+    t0 = time.perf_counter()
+    prompts = [prompt_token_ids(p) for p in generate_problems(args.train + args.held_out, seed=args.seed + 2)]
+    pairs = _sample(policy, prompts, args.max_tokens, args.seed)
+    train, held = pairs[:args.train], pairs[args.train:]
+    print(f"sampled {len(pairs)} responses of the drifted policy in {time.perf_counter() - t0:.0f} s", flush=True)
+    drafter_trainer._STATE["teacher"] = policy  # the training process's policy copy, here in-process
+    top_k = 256
+    train_targets = drafter_trainer._teacher_targets(train, MAX_LEN, 0, top_k)
+    held_targets = drafter_trainer._teacher_targets(held, MAX_LEN, 0, top_k)
+    ceiling = float(np.mean(np.concatenate([p.max(-1).values.numpy() for p, _ in held_targets])))
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_draft_path()), dtype=torch.float32)
+    rows = [{"drafter": "bundled (frozen)", **_acceptance(base, held, held_targets)}]
+    print(f"ceiling per token: greedy drafts {ceiling:.3f}, sampled drafts 1.000; frozen: greedy "
+          f"{rows[0]['greedy']:.3f}, sampled {rows[0]['sampled']:.3f}", flush=True)
+    plan = [("samples", *args.grid[0])] + [("policy", lr, steps) for lr, steps in args.grid]
+    for loss, lr, steps in plan:
+        model, seconds = _train(base, train, train_targets, lr, steps, loss, args.seed)
+        row = {"drafter": f"{'distilled from the policy' if loss == 'policy' else 'trained on samples'}",
+               "loss": loss, "lr": lr, "steps": steps, "seconds": seconds, **_acceptance(model, held, held_targets)}
+        rows.append(row)
+        print(f"{row['drafter']}, lr {lr:g}, {steps} steps: greedy {row['greedy']:.3f}, sampled {row['sampled']:.3f} "
+              f"({seconds:.0f} s)", flush=True)
+    for row in rows:
+        row["length_greedy"], row["length_sampled"] = _length(row["greedy"]), _length(row["sampled"])
+    return {"ceiling": {"greedy": ceiling, "sampled": 1.0, "length_greedy": _length(ceiling), "length_sampled": 4.0},
+            "rows": rows,
+            "config": {k: getattr(args, k) for k in ("versions", "policy_steps", "policy_lr", "train", "held_out",
+                                                     "max_tokens", "grid", "seed")}}
+
+
+def _grid(text: str) -> list[tuple[float, int]]:
+    try:
+        points = [(float(lr), int(steps)) for lr, steps in (p.split("x") for p in text.split(",") if p.strip())]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--grid: expected LRxSTEPS[,LRxSTEPS...], e.g. 3e-4x300,1e-3x600; got {text!r}")
+    if not points or any(lr <= 0 or steps < 1 for lr, steps in points):
+        raise argparse.ArgumentTypeError(f"--grid: learning rates and steps must be positive; got {text!r}")
+    return points
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--versions", type=int, default=4, help="policy versions of drift")
+    p.add_argument("--policy-steps", type=int, default=12, help="policy optimizer steps per version")
+    p.add_argument("--policy-lr", type=float, default=1e-3)
+    p.add_argument("--train", type=int, default=384, help="training samples of the drifted policy")
+    p.add_argument("--held-out", type=int, default=64, help="held-out samples of the drifted policy")
+    p.add_argument("--max-tokens", type=int, default=300)
+    p.add_argument("--grid", type=_grid, default=_grid("3e-4x300,1e-3x300,1e-3x600,3e-3x300"),
+                   help="drafter learning rates x optimizer steps, e.g. 3e-4x300,1e-3x600 (the first also "
+                        "trains on samples)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--report", help="output directory")
+    args = p.parse_args(argv)
+    out = run(args)
+    out["command"] = " ".join(["python -m load_tests.drafter_capacity", *(sys.argv[1:] if argv is None else argv)])
+    print(json.dumps({r["drafter"] + (f" lr {r['lr']:g} x {r['steps']}" if "lr" in r else ""):
+                      [round(r["greedy"], 3), round(r["sampled"], 3)] for r in out["rows"]}, indent=1))
+    path = save_json(args.report, "drafter_capacity.json", out)
+    if path is not None:
+        print(f"report: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
