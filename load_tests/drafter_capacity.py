@@ -3,7 +3,7 @@ all the training it wants? Offline, no engines: the per-token acceptance a
 drafter reaches on held-out samples of a drifted policy, against what a
 perfect drafter would reach, for several distillation budgets.
 
-    python -m load_tests.drafter_capacity --report reports/drafter-capacity   # ~15 min on 2 CPU cores
+    python -m load_tests.drafter_capacity --report reports/drafter-capacity   # ~25 min on 2 CPU cores
 
 1. The bundled reasoner drifts as in `drafter_adaptation --drift shifted`:
    `--versions` x `--policy-steps` optimizer steps on the reference
