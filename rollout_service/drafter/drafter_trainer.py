@@ -8,6 +8,10 @@ service keeps training it: every finished sample of the last
 optimizer steps (next-token cross-entropy on response tokens, i.e.
 distillation from the target's own samples) runs in a separate process,
 starting from the bundled draft model and continuing from round to round.
+Its weights come back as a safetensors file and are pushed to every engine
+through the draft-weight path (`engine.speculation.update_draft_weights`), numbered
+1, 2, ... Speculation is verified, so no push can change what is sampled:
+a bad drafter only costs speed.
 
 Samples of version v teach the drafter what v sampled, so a drafter trained
 on them is always a version behind the policy it drafts for. With
@@ -20,10 +24,6 @@ probabilities), before the new version has sampled anything. At temperature
 is 1 when the drafter's q equals the policy's p: the round reports that
 expectation on the newest prefixes before and after (`acceptance_before`,
 `acceptance_after`).
-Its weights come back as a safetensors file and are pushed to every engine
-through the draft-weight path (`engine.speculation.update_draft_weights`), numbered
-1, 2, ... Speculation is verified, so no push can change what is sampled:
-a bad drafter only costs speed.
 
 Nothing here runs on the event loop but bookkeeping: training is in a
 spawned process (one optimizer, its own torch threads), file staging in a
