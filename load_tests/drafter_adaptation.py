@@ -51,9 +51,8 @@ import numpy as np
 
 from load_tests.report import save_json
 
-# What each online drafter learns from (`[engine.spec.trainer] teacher`).
-TEACHER = {"samples": "samples", "policy": "policy"}
-DRAFTERS = ("frozen", *TEACHER)
+# frozen, then the online drafters by what they learn from (`[engine.spec.trainer] teacher`).
+DRAFTERS = ("frozen", "samples", "policy")
 STYLE = {"frozen": "s--", "samples": "o-", "policy": "^-"}
 LABEL = {"frozen": "frozen (bundled) drafter", "samples": "online, trained on samples",
          "policy": "online, distilled from the pushed policy"}
@@ -185,8 +184,8 @@ async def run(args) -> dict:
         core = cores[name]
         trainers[name] = DrafterTrainer(core.engines.values(), TrainerConfig(
             steps_per_round=args.draft_steps, lr=args.draft_lr, versions_kept=args.draft_versions, seed=args.seed,
-            min_new_samples=10**9, teacher=TEACHER[name]), draft, lambda core=core: core.policy_version,
-            policy_model_dir=target if TEACHER[name] == "policy" else None)
+            min_new_samples=10**9, teacher=name), draft, lambda core=core: core.policy_version,
+            policy_model_dir=target if name == "policy" else None)
         core.sample_taps.append(trainers[name].observe)
         core.weight_taps.append(trainers[name].policy_updated)
     policy = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()

@@ -311,6 +311,22 @@ def swapped(state: dict, a: int, b: int) -> dict:
     return out
 
 
+async def feed_samples(trainer, engine, version: int, prompts) -> None:
+    """3 samples (200 tokens, full distribution) of each prompt, given to the
+    trainer as produced under policy `version`."""
+    done = await asyncio.gather(*(sample(engine, p, 3, max_tokens=200, top_p=1.0, concurrency=3) for p in prompts))
+    trainer.add_examples(version, [(p, list(ids)) for p, group in zip(prompts, done) for ids, _, _ in group])
+
+
+async def restore_bundled(core, engine, original: dict) -> None:
+    """The bundled policy and drafter serve again (as newer versions)."""
+    from safetensors.torch import load_file
+
+    await core.update_weights(core.policy_version + 1, staged(original))
+    await engine.speculation.update_draft_weights(engine.speculation.draft_version + 1,
+                                                  staged(load_file(os.path.join(draft_model(), "model.safetensors"))))
+
+
 async def test_draft_reload_keeps_tied_embeddings_consistent(spec_service, spec_engine):
     """Swap two tokens in the policy and in the drafter: if both reloads
     reach every user of the tied embedding (the CPU backend keeps a repacked
@@ -365,15 +381,12 @@ async def test_online_drafter_catches_up_with_a_new_policy(spec_service, spec_en
         # Many distinct prompts: fitted to a few problems, a one-layer drafter memorises them.
         train = problem_prompts(128, seed=101)
         frozen = await greedy_acceptance(spec_engine, held_out)
-        done = await asyncio.gather(*(sample(spec_engine, p, 3, max_tokens=200, top_p=1.0, concurrency=3) for p in train))
-        trainer.add_examples(core.policy_version, [(p, list(ids)) for p, group in zip(train, done) for ids, _, _ in group])
+        await feed_samples(trainer, spec_engine, core.policy_version, train)
         record = await trainer.train_once()
         trained = await greedy_acceptance(spec_engine, held_out)
     finally:
         await trainer.stop()
-        await core.update_weights(core.policy_version + 1, staged(original))
-        await spec_engine.speculation.update_draft_weights(spec_engine.speculation.draft_version + 1,
-                                               staged(load_file(os.path.join(draft_model(), "model.safetensors"))))
+        await restore_bundled(core, spec_engine, original)
     print(f"greedy acceptance on held-out prompts: {before_update:.3f} before the policy update, "
           f"{frozen:.3f} after it with the frozen drafter, {trained:.3f} after one round of online training "
           f"({record['examples']} samples, {record['seconds']:.1f} s)")
@@ -403,9 +416,7 @@ async def test_a_drafter_distilled_from_the_pushed_policy_catches_up_before_that
     await runtime.start()
     trainer = runtime.trainer
     try:
-        train = problem_prompts(128, seed=101)
-        done = await asyncio.gather(*(sample(spec_engine, p, 3, max_tokens=200, top_p=1.0, concurrency=3) for p in train))
-        trainer.add_examples(core.policy_version, [(p, list(ids)) for p, group in zip(train, done) for ids, _, _ in group])
+        await feed_samples(trainer, spec_engine, core.policy_version, problem_prompts(128, seed=101))
         held_out = problem_prompts(32, seed=202)
         version = core.policy_version + 1
         await core.update_weights(version, staged(swapped(original, three, seven)))
@@ -419,9 +430,7 @@ async def test_a_drafter_distilled_from_the_pushed_policy_catches_up_before_that
         status = runtime.status().trainer
     finally:
         await runtime.stop()
-        await core.update_weights(core.policy_version + 1, staged(original))
-        await spec_engine.speculation.update_draft_weights(spec_engine.speculation.draft_version + 1,
-                                               staged(load_file(os.path.join(draft_model(), "model.safetensors"))))
+        await restore_bundled(core, spec_engine, original)
     print(f"greedy acceptance on the pushed policy's held-out continuations: frozen {frozen:.3f}, "
           f"distilled {distilled:.3f}; expected acceptance of a sampled draft "
           f"{status.last_acceptance_before:.3f} -> {status.last_acceptance_after:.3f} ({status.last_round_seconds:.1f} s)")
