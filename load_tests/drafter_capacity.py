@@ -144,8 +144,9 @@ def run(args) -> dict:
     train_targets = drafter_trainer._teacher_targets(train, MAX_LEN, 0, top_k)
     held_targets = drafter_trainer._teacher_targets(held, MAX_LEN, 0, top_k)
     ceiling = float(np.mean(np.concatenate([p.max(-1).values.numpy() for p, _ in held_targets])))
-    base = AutoModelForCausalLM.from_pretrained(str(tiny_draft_path()), dtype=torch.float32)
-    rows = [{"drafter": "bundled (frozen)", **_acceptance(base, held, held_targets)}]
+    base = AutoModelForCausalLM.from_pretrained(args.draft or str(tiny_draft_path()), dtype=torch.float32)
+    rows = [{"drafter": "bundled (frozen)" if not args.draft else "initial (frozen)",
+             **_acceptance(base, held, held_targets)}]
     print(f"ceiling per token: greedy drafts {ceiling:.3f}, sampled drafts 1.000; frozen: greedy "
           f"{rows[0]['greedy']:.3f}, sampled {rows[0]['sampled']:.3f}", flush=True)
     plan = [("samples", *args.grid[0])] + [("policy", lr, steps) for lr, steps in args.grid]
@@ -161,7 +162,7 @@ def run(args) -> dict:
     return {"ceiling": {"greedy": ceiling, "sampled": 1.0, "length_greedy": _length(ceiling), "length_sampled": 4.0},
             "rows": rows,
             "config": {k: getattr(args, k) for k in ("versions", "policy_steps", "policy_lr", "train", "held_out",
-                                                     "max_tokens", "grid", "seed")}}
+                                                     "max_tokens", "grid", "seed", "draft")}}
 
 
 def _grid(text: str) -> list[tuple[float, int]]:
@@ -185,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grid", type=_grid, default=_grid("3e-4x300,1e-3x300,1e-3x600,3e-3x300"),
                    help="drafter learning rates x optimizer steps, e.g. 3e-4x300,1e-3x600 (the first also "
                         "trains on samples)")
+    p.add_argument("--draft", default="", help="initial drafter directory (default: the bundled drafter; "
+                                                "`rollout-service build-model --source draft` pads it deeper)")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--report", help="output directory")

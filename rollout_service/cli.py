@@ -94,7 +94,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_build_model(args: argparse.Namespace) -> int:
     from rollout_service.tools.build_model import build
 
-    build(args.out, preset=args.preset, layers=args.layers, intermediate=args.intermediate, seed=args.seed)
+    build(args.out, preset=args.preset, layers=args.layers, intermediate=args.intermediate, seed=args.seed,
+          source=args.source)
     return 0
 
 
@@ -109,6 +110,8 @@ def _add_build_model(sub) -> None:
     p.add_argument("--preset", help=f"one of: {', '.join(PRESETS)}")
     p.add_argument("--layers", type=int, help="decoder layers (overrides the preset's)")
     p.add_argument("--intermediate", type=int, help="MLP intermediate size (overrides the preset's)")
+    p.add_argument("--source", help="model to pad: target (the bundled reasoner), draft (the bundled drafter) "
+                                    "or a model directory; default: the preset's, else target")
     p.add_argument("--seed", type=int, default=0, help="seed of the padding's random weights")
     p.add_argument("--out", required=True, help="directory to write")
     p.set_defaults(fn=cmd_build_model)

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from rollout_service.assets import tiny_model_path
+from rollout_service.assets import tiny_draft_path, tiny_model_path
 from rollout_service.cli import main
 from rollout_service.tools.build_model import PRESETS
 
@@ -52,10 +52,8 @@ def test_padded_copy_has_the_new_sizes_and_loads_with_its_tokenizer(padded, base
     assert summary["parameters"] == sum(p.numel() for p in model.parameters())  # tied embeddings count once
 
 
-def test_padded_copy_gives_the_bundled_logits(padded, base_config):
-    base, pad = _load(tiny_model_path()), _load(padded)
+def _assert_same_logits(base, pad, vocab: int) -> None:
     gen = torch.Generator().manual_seed(0)
-    vocab = base_config["vocab_size"]
     with torch.no_grad():
         for length in (1, 5, 17, 64, 200):
             ids = torch.randint(3, vocab, (1, length), generator=gen)
@@ -70,6 +68,28 @@ def test_padded_copy_gives_the_bundled_logits(padded, base_config):
         a = base(ids, attention_mask=mask).logits[mask.bool()]
         b = pad(ids, attention_mask=mask).logits[mask.bool()]
         assert (a - b).abs().max().item() <= 1e-5
+
+
+def test_padded_copy_gives_the_bundled_logits(padded, base_config):
+    _assert_same_logits(_load(tiny_model_path()), _load(padded), base_config["vocab_size"])
+
+
+def test_a_deeper_drafter_starts_as_the_bundled_drafter(tmp_path, base_config):
+    out = tmp_path / "drafter"
+    assert main(["build-model", "--source", "draft", "--layers", "3", "--intermediate", "512", "--out", str(out)]) == 0
+    drafter = _load(out)
+    assert len(drafter.model.layers) == 3 and drafter.model.layers[0].mlp.gate_proj.weight.shape[0] == 512
+    _assert_same_logits(_load(tiny_draft_path()), drafter, base_config["vocab_size"])
+    # The new layers are there to learn: their q/k/v and gate/up weights are not zero.
+    assert drafter.model.layers[2].self_attn.q_proj.weight.abs().sum() > 0
+    assert drafter.model.layers[2].mlp.gate_proj.weight.abs().sum() > 0
+
+
+def test_an_unknown_source_is_a_clear_error(tmp_path, capsys):
+    assert main(["build-model", "--source", str(tmp_path / "nowhere"), "--layers", "6", "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert "--source" in err and "nowhere" in err
+    assert not (tmp_path / "x").exists()
 
 
 def test_build_is_deterministic(padded, tmp_path, base_config):

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from rollout_service.assets import tiny_model_path
+from rollout_service.assets import tiny_draft_path, tiny_model_path
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,7 @@ class Preset:
     layers: int
     intermediate: int
     purpose: str
+    source: str = "target"  # which bundled model is padded: "target" or "draft"
 
 
 PRESETS: dict[str, Preset] = {
@@ -57,11 +58,25 @@ PRESETS: dict[str, Preset] = {
                                "2 vLLM CPU engines + a trainer copy + staging fit in ~20 GiB"),
 }
 
+SOURCES: dict[str, Callable[[], Path]] = {"target": tiny_model_path, "draft": tiny_draft_path}
 SEED = 0
 WEIGHTS_FILE = "model.safetensors"
 # Files copied unchanged from the source directory (the tokenizer and the generation config).
 _COPIED = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
            "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja")
+
+
+def source_dir(source: str | Path | None = None, preset: str | None = None) -> Path:
+    """The directory to pad: "target" (the bundled reasoner), "draft" (the
+    bundled drafter) or a model directory; by default the preset's source."""
+    if source is None:
+        source = PRESETS[preset].source if preset in PRESETS else "target"
+    if isinstance(source, str) and source in SOURCES:
+        return SOURCES[source]()
+    path = Path(source)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"--source {source}: not 'target', 'draft' or a model directory with a config.json")
+    return path
 
 
 def resolve(preset: str | None = None, layers: int | None = None, intermediate: int | None = None,
@@ -71,7 +86,7 @@ def resolve(preset: str | None = None, layers: int | None = None, intermediate: 
         raise ValueError(f"unknown preset {preset!r}; choose from: {', '.join(PRESETS)}")
     if preset is None and layers is None and intermediate is None:
         raise ValueError(f"give --preset ({', '.join(PRESETS)}) or --layers/--intermediate")
-    config = json.loads((Path(source or tiny_model_path()) / "config.json").read_text())
+    config = json.loads((source_dir(source, preset) / "config.json").read_text())
     base = PRESETS[preset] if preset else Preset(config["num_hidden_layers"], config["intermediate_size"], "")
     n = base.layers if layers is None else layers
     m = base.intermediate if intermediate is None else intermediate
@@ -150,12 +165,13 @@ def padded_config(config: dict, layers: int, intermediate: int) -> dict:
 def build(out: str | Path, preset: str | None = None, layers: int | None = None, intermediate: int | None = None,
           seed: int = SEED, source: str | Path | None = None,
           log: Callable[[str], None] | None = print) -> dict:
-    """Write a padded copy of `source` (default: the bundled tiny reasoner) into `out`; returns a summary."""
+    """Write a padded copy of `source` ("target", "draft" or a directory; default: the preset's, else the
+    bundled tiny reasoner) into `out`; returns a summary."""
     import torch
     from safetensors.torch import load_file, save_file
 
     say = log or (lambda _msg: None)
-    src_dir = Path(source or tiny_model_path())
+    src_dir = source_dir(source, preset)
     n, m = resolve(preset, layers, intermediate, src_dir)
     t0 = time.perf_counter()
     config = json.loads((src_dir / "config.json").read_text())
@@ -188,4 +204,4 @@ def build(out: str | Path, preset: str | None = None, layers: int | None = None,
     return summary
 
 
-__all__ = ["PRESETS", "Preset", "build", "padded_config", "padded_state_dict", "resolve"]
+__all__ = ["PRESETS", "SOURCES", "Preset", "build", "padded_config", "padded_state_dict", "resolve", "source_dir"]
