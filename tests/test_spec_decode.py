@@ -443,6 +443,37 @@ async def test_a_drafter_distilled_from_the_pushed_policy_catches_up_before_that
     assert distilled > frozen + 0.01
 
 
+async def test_a_drafter_started_on_pushed_weights_distils_from_them(spec_service, spec_engine):
+    """A service restarted from a checkpoint serves the checkpoint's policy
+    before its drafter trainer starts: with `teacher = "policy"` the first
+    round must distil from that version, not from the model's own weights."""
+    from safetensors.torch import load_file
+
+    from rollout_service.tasks import encode
+
+    core = spec_service.core
+    original = load_file(os.path.join(MODEL, "model.safetensors"))
+    [three], [seven] = encode("3"), encode("7")
+    version = core.policy_version + 1
+    await core.update_weights(version, staged(swapped(original, three, seven)))
+    runtime = SpecRuntime(core, SpecConfig.from_dict(spec_cfg(ALWAYS, tune=False, train=True, trainer={
+        "teacher": "policy", "min_new_samples": 16, "steps_per_round": 5, "nice": 0})))
+    await runtime.start()  # after the weights serve, as after a restore
+    trainer = runtime.trainer
+    try:
+        await feed_samples(trainer, spec_engine, core.policy_version, problem_prompts(8, seed=303))
+        for _ in range(1200):
+            if trainer.rounds:
+                break
+            await asyncio.sleep(0.1)
+        status = runtime.status().trainer
+    finally:
+        await runtime.stop()
+        await restore_bundled(core, spec_engine, original)
+    assert status.rounds >= 1, "no drafter round within 120 s of 24 samples"
+    assert status.distilled_from_policy_version == version
+
+
 async def test_spec_runtime_reports_engines_and_tunes(spec_service, spec_engine):
     spec = SpecConfig.from_dict(dict(spec_cfg(TAIL), tune=True, tuner={"interval_s": 0.1, "epsilon": 0.0}))
     runtime = SpecRuntime(spec_service.core, spec)

@@ -151,6 +151,11 @@ class RolloutCore:
     def policy_version(self) -> int:
         return self.weight_sync.version
 
+    async def add_weight_tap(self, tap: Callable[[int, StagedWeights | None], Awaitable[None]]) -> None:
+        """Add `tap` to `weight_taps` and call it now with the serving
+        version if a pushed or restored one serves (see WeightSync.subscribe)."""
+        await self.weight_sync.subscribe(tap)
+
     @property
     def carry_over(self) -> CarryOverConfig:
         return self.weight_sync.carry_over

@@ -58,6 +58,19 @@ class WeightSync:
         self._histogram = histogram
         self._monotonic = monotonic
 
+    async def subscribe(self, tap: Callable[[int, StagedWeights | None], Awaitable[None]]) -> None:
+        """Add a weight tap, and call it at once with the serving version when
+        that is a pushed or restored one (not the model's own weights): a tap
+        added after a restart from a checkpoint learns the checkpoint's policy.
+        Under the push lock, so no push falls between the two."""
+        async with self.lock:
+            self.taps.append(tap)
+            if self.version > 0:
+                try:
+                    await tap(self.version, self.last)
+                except Exception:
+                    log.exception("weight tap failed on the serving version %d", self.version)
+
     def check_version(self, version: int) -> None:
         """CoreError unless `version` is newer than the serving one."""
         if version <= self.version:

@@ -36,6 +36,9 @@ class CoreView(Protocol):
     @property
     def policy_version(self) -> int: ...
 
+    async def add_weight_tap(self, tap: Callable[[int, StagedWeights | None], Awaitable[None]]) -> None:
+        """Append to weight_taps; call it now if a pushed or restored version serves."""
+
 
 def spec_status(engines: Mapping[str, Engine]) -> dict[str, SpecEngineStatus]:
     """{engine id: its speculation status} for the engines that speculate."""
@@ -68,7 +71,9 @@ class SpecRuntime:
         if self.trainer is not None and self.trainer.engines:
             self.core.sample_taps.append(self.trainer.observe)
             if isinstance(self.trainer, DrafterTrainer) and self.trainer.policy_model_dir is not None:
-                self.core.weight_taps.append(self.trainer.policy_updated)
+                # Called at once when the core already serves pushed weights
+                # (restored from a checkpoint, or pushed before the runtime started).
+                await self.core.add_weight_tap(self.trainer.policy_updated)
             self.trainer.start()
 
     async def stop(self) -> None:
