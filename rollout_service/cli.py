@@ -102,9 +102,11 @@ def cmd_build_model(args: argparse.Namespace) -> int:
 def _add_build_model(sub) -> None:
     from rollout_service.tools.build_model import PRESETS
 
-    p = sub.add_parser("build-model", help="write a padded, function-identical copy of the bundled target",
-                       description="Pad the bundled target (wider MLPs, extra layers that add nothing to the "
-                                   "residual stream): the same logits at the cost of a larger model. Presets: "
+    p = sub.add_parser("build-model", help="write a padded, function-identical copy of the bundled target "
+                                           "(or drafter)",
+                       description="Pad the bundled target or drafter (wider MLPs, extra layers that add nothing "
+                                   "to the residual stream): the same logits at the cost, and with the room to "
+                                   "learn, of a larger model. Presets: "
                                    + "; ".join(f"{k} ({v.layers} layers x {v.intermediate} intermediate): "
                                                f"{v.purpose}" for k, v in PRESETS.items()))
     p.add_argument("--preset", help=f"one of: {', '.join(PRESETS)}")

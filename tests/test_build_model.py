@@ -119,6 +119,16 @@ def test_presets_are_the_documented_sizes(base_config):
     def params(p):
         return p.layers * (per_attention + 3 * h * p.intermediate) + base_config["vocab_size"] * h + h
 
+    assert PRESETS["tail"].source == PRESETS["size"].source == "target"
     assert 95e6 < params(PRESETS["tail"]) < 105e6
     assert 0.45e9 < params(PRESETS["size"]) < 0.55e9
+    assert PRESETS["drafter"].source == "draft" and 0.4e6 < params(PRESETS["drafter"]) < 0.5e6
     assert all(p.purpose for p in PRESETS.values())
+
+
+def test_the_drafter_preset_pads_the_bundled_drafter(tmp_path, base_config):
+    assert main(["build-model", "--preset", "drafter", "--out", str(tmp_path)]) == 0
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert (cfg["num_hidden_layers"], cfg["intermediate_size"]) == (PRESETS["drafter"].layers,
+                                                                   PRESETS["drafter"].intermediate)
+    _assert_same_logits(_load(tiny_draft_path()), _load(tmp_path), base_config["vocab_size"])

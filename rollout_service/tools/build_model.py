@@ -16,11 +16,14 @@ function at the cost of a larger model:
   they cost what a real layer costs.
 
 Vocabulary and hidden size are unchanged, so the bundled drafter serves the
-padded target as it is.  Pure torch + safetensors + json; deterministic (the
+padded target as it is. The same padding applied to the bundled drafter
+(`--source draft`, preset `drafter`) gives a drafter that drafts exactly as
+the bundled one at first, with room for the online trainer to learn more.  Pure torch + safetensors + json; deterministic (the
 same arguments give a byte-identical ``model.safetensors``).
 
     rollout-service build-model --preset tail --out /tmp/tail
     rollout-service build-model --layers 6 --intermediate 1024 --out /tmp/small
+    rollout-service build-model --preset drafter --out /tmp/drafter
 """
 from __future__ import annotations
 
@@ -56,6 +59,12 @@ PRESETS: dict[str, Preset] = {
     # a 1B copy (4 GB) would need ~24 GB.
     "size": Preset(32, 40_960, "weight-transfer measurements: ~0.5B params (2 GB float32), the largest that "
                                "2 vLLM CPU engines + a trainer copy + staging fit in ~20 GiB"),
+    # 0.44M parameters: the bundled one-layer drafter plus one layer that adds
+    # nothing until the online trainer teaches it. It drafts exactly as the
+    # bundled one at first and follows a drifting policy further
+    # (docs/benchmarks.md, "A deeper drafter").
+    "drafter": Preset(2, 384, "the online drafter: the bundled drafter plus a layer for the trainer to fill",
+                      source="draft"),
 }
 
 SOURCES: dict[str, Callable[[], Path]] = {"target": tiny_model_path, "draft": tiny_draft_path}
