@@ -17,6 +17,10 @@ tiny reasoner and speculates at every batch size (K=3, greedy drafts unless
   fits the drafter to the new version's next-token distributions on the
   newest samples' prefixes, before that version samples anything.
 
+An entry `TEACHER@DIR` starts that drafter from the model in DIR instead of
+`--draft`, e.g. a deeper one (`rollout-service build-model --preset drafter
+--out DIR`) beside the bundled one: `--drafters frozen,policy,policy@DIR`.
+
 Each policy version:
 
 1. one rollout step on each engine: the same GRPO groups of tiny-reasoner
@@ -174,18 +178,19 @@ async def run(args) -> dict:
     cpus = max(1, len(os.sched_getaffinity(0)))
     cores = {}
     for i, name in enumerate(args.drafters):
-        engine = VllmEngine(name, target, max_seqs=64, max_model_len=1024, cpu_bind=str(i % cpus), seed=i, spec=spec)
+        engine = VllmEngine(name, target, max_seqs=64, max_model_len=1024, cpu_bind=str(i % cpus), seed=i,
+                            spec=dict(spec, model=_initial(name, draft)))
         cores[name] = RolloutCore([engine], make_placement("least-assigned"), Clock())
     await asyncio.gather(*(core.start() for core in cores.values()))
     trainers = {}
     for name in args.drafters:
-        if name == "frozen":
+        if _teacher(name) == "frozen":
             continue
         core = cores[name]
         trainers[name] = DrafterTrainer(core.engines.values(), TrainerConfig(
             steps_per_round=args.draft_steps, lr=args.draft_lr, versions_kept=args.draft_versions, seed=args.seed,
-            min_new_samples=10**9, teacher=name), draft, lambda core=core: core.policy_version,
-            policy_model_dir=target if name == "policy" else None)
+            min_new_samples=10**9, teacher=_teacher(name)), _initial(name, draft), lambda core=core: core.policy_version,
+            policy_model_dir=target if _teacher(name) == "policy" else None)
         core.sample_taps.append(trainers[name].observe)
         core.weight_taps.append(trainers[name].policy_updated)
     policy = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
@@ -255,6 +260,24 @@ async def run(args) -> dict:
     }
 
 
+def _teacher(name: str) -> str:
+    """The drafter kind of a `--drafters` entry (TEACHER or TEACHER@DIR)."""
+    return name.split("@", 1)[0]
+
+
+def _initial(name: str, default: str) -> str:
+    """The drafter an entry starts from: its @DIR, else `--draft`'s."""
+    return name.split("@", 1)[1] if "@" in name else default
+
+
+def _label(name: str) -> str:
+    if "@" not in name:
+        return LABEL[name]
+    path = Path(_initial(name, ""))
+    layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
+    return f"{LABEL[_teacher(name)]}, {layers}-layer drafter ({path.name})"
+
+
 def plot(out: dict, path: Path) -> None:
     import matplotlib
 
@@ -264,7 +287,8 @@ def plot(out: dict, path: Path) -> None:
     vs = [r["policy_version"] for r in out["versions"]]
     fig, ax = plt.subplots(figsize=(7, 4))
     for name in out["config"]["drafters"]:
-        ax.plot(vs, [r[name]["mean_acceptance_length"] for r in out["versions"]], STYLE[name], label=LABEL[name])
+        style = STYLE[_teacher(name)].replace("-", ":") if "@" in name else STYLE[name]
+        ax.plot(vs, [r[name]["mean_acceptance_length"] for r in out["versions"]], style, label=_label(name))
     ax.set_xlabel("policy version")
     ax.set_ylabel("mean acceptance length (tokens / verify step)")
     ax.set_title(f"online drafters vs the bundled one (K=3, {out['config']['draft_sampling']} drafts, "
@@ -283,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--drafters", default=",".join(DRAFTERS),
                    help="drafters side by side, one engine each: frozen (the bundled drafter), samples (trained "
                         "online on the newest versions' samples), policy (distilled from each pushed policy on "
-                        "those samples' prefixes, before it samples)")
+                        "those samples' prefixes, before it samples); TEACHER@DIR starts that one from the "
+                        "drafter in DIR")
     p.add_argument("--draft-sampling", choices=["greedy", "probabilistic"], default="greedy",
                    help="draft tokens: the drafter's most likely ones, or sampled from it (engine.spec.draft_sample_method)")
     p.add_argument("--versions", type=int, default=8, help="policy versions to run")
@@ -305,9 +330,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--report", help="output directory")
     args = p.parse_args(argv)
     args.drafters = [d.strip() for d in args.drafters.split(",") if d.strip()]
-    unknown = [d for d in args.drafters if d not in DRAFTERS]
+    unknown = [d for d in args.drafters if _teacher(d) not in DRAFTERS]
     if unknown or not args.drafters:
-        p.error(f"--drafters: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(DRAFTERS)}")
+        p.error(f"--drafters: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(DRAFTERS)}, "
+                "each optionally @DIR")
+    missing = [d for d in args.drafters if "@" in d and not (Path(_initial(d, "")) / "config.json").is_file()]
+    if missing:
+        p.error(f"--drafters: no drafter (config.json) in {', '.join(_initial(d, '') for d in missing)}")
+    if len(set(args.drafters)) < len(args.drafters):
+        p.error("--drafters: an entry is given twice")
     if args.quick:
         args.versions, args.groups, args.max_tokens = min(args.versions, 3), min(args.groups, 16), min(args.max_tokens, 200)
     out = asyncio.run(run(args))

@@ -653,6 +653,9 @@ def test_the_adaptation_curve_refuses_an_unknown_drafter_before_starting_engines
     with pytest.raises(SystemExit):
         adaptation(["--drafters", "frozen,distilled"])
     assert "--drafters: unknown distilled; choose from frozen, samples, policy" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        adaptation(["--drafters", "frozen,policy@/nonexistent/drafter"])
+    assert "--drafters: no drafter (config.json) in /nonexistent/drafter" in capsys.readouterr().err
 
 
 def test_the_drafter_capacity_study_refuses_a_malformed_grid(capsys):
