@@ -18,8 +18,9 @@ function at the cost of a larger model:
 Vocabulary and hidden size are unchanged, so the bundled drafter serves the
 padded target as it is. The same padding applied to the bundled drafter
 (`--source draft`, preset `drafter`) gives a drafter that drafts exactly as
-the bundled one at first, with room for the online trainer to learn more.  Pure torch + safetensors + json; deterministic (the
-same arguments give a byte-identical ``model.safetensors``).
+the bundled one at first, with room for the online trainer to learn more.
+Pure torch + safetensors + json; deterministic (the same arguments give a
+byte-identical ``model.safetensors``).
 
     rollout-service build-model --preset tail --out /tmp/tail
     rollout-service build-model --layers 6 --intermediate 1024 --out /tmp/small
