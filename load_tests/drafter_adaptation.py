@@ -192,7 +192,7 @@ async def run(args) -> dict:
             min_new_samples=10**9, teacher=_teacher(name)), _initial(name, draft), lambda core=core: core.policy_version,
             policy_model_dir=target if _teacher(name) == "policy" else None)
         core.sample_taps.append(trainers[name].observe)
-        core.weight_taps.append(trainers[name].policy_updated)
+        await core.add_weight_tap(trainers[name].policy_updated)
     policy = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.policy_lr, weight_decay=0.0)
     versions = []

@@ -318,6 +318,14 @@ async def feed_samples(trainer, engine, version: int, prompts) -> None:
     trainer.add_examples(version, [(p, list(ids)) for p, group in zip(prompts, done) for ids, _, _ in group])
 
 
+async def wait_for_round(trainer, seconds: float) -> None:
+    """Until the trainer has run a round (in its own process) or `seconds` pass."""
+    for _ in range(int(seconds * 10)):
+        if trainer.rounds:
+            return
+        await asyncio.sleep(0.1)
+
+
 async def restore_bundled(core, engine, original: dict) -> None:
     """The bundled policy and drafter serve again (as newer versions)."""
     from safetensors.torch import load_file
@@ -421,10 +429,7 @@ async def test_a_drafter_distilled_from_the_pushed_policy_catches_up_before_that
         version = core.policy_version + 1
         await core.update_weights(version, staged(swapped(original, three, seven)))
         frozen = await greedy_acceptance(spec_engine, held_out)
-        for _ in range(3000):  # the push woke a round; it runs in the trainer's process
-            if trainer.rounds:
-                break
-            await asyncio.sleep(0.1)
+        await wait_for_round(trainer, 300)  # the push woke a round
         assert trainer.rounds, "no drafter round within 300 s of the push"
         distilled = await greedy_acceptance(spec_engine, held_out)
         status = runtime.status().trainer
@@ -462,10 +467,7 @@ async def test_a_drafter_started_on_pushed_weights_distils_from_them(spec_servic
     trainer = runtime.trainer
     try:
         await feed_samples(trainer, spec_engine, core.policy_version, problem_prompts(8, seed=303))
-        for _ in range(1200):
-            if trainer.rounds:
-                break
-            await asyncio.sleep(0.1)
+        await wait_for_round(trainer, 120)
         status = runtime.status().trainer
     finally:
         await runtime.stop()
