@@ -41,6 +41,15 @@ measured rates), which `load_tests run --cost-model` and `predict` use:
 
     python -m load_tests.calibrate --model DIR --draft bundled --out fit.json
 
+With `--draft ngram` the second engine drafts without a model (n-gram
+prompt lookup matching a single token, on long random prompts, so that
+nearly every step drafts): the same K = 0 and verify steps, and the tokens
+drafted per sequence and step, fit `spec_ngram_draft_cost` (the proposer and
+the verify step's own machinery, per draft token) and `spec_verify_cost`,
+what the model-free routes (`ngram`, `siblings`) pay. Their acceptance is
+the workload's, not measured here (a run's own goes to `predict --sim
+spec_ngram_acceptance=...`).
+
 On a CPU it binds the engine to `--cores` (default: core 0, as one engine of
 a fleet runs) and gives it `VLLM_CPU_KVCACHE_SPACE=1` GiB of KV cache; on a
 GPU those settings are not used. Start-up takes ~20 s on a CPU.
@@ -108,21 +117,31 @@ def _engine_steps(llm) -> int:
     raise RuntimeError("vLLM reports no vllm:iteration_tokens_total (start the engine with log stats on)")
 
 
-def _timed_steps(llm, prompts, max_tokens: int, repeats: int, count_steps: bool = False) -> tuple[float, float]:
-    """(median seconds, median engine steps, 0 unless `count_steps`) of
-    generating `max_tokens` for every prompt."""
+def _draft_tokens(llm) -> int:
+    """Draft tokens proposed so far (0 without speculation)."""
+    for m in llm.get_metrics():
+        if m.name == "vllm:spec_decode_num_draft_tokens":
+            return int(m.value)
+    return 0
+
+
+def _timed_steps(llm, prompts, max_tokens: int, repeats: int,
+                 count_steps: bool = False) -> tuple[float, float, float]:
+    """(median seconds, median engine steps, median draft tokens; both 0
+    unless `count_steps`) of generating `max_tokens` for every prompt."""
     from vllm import SamplingParams
 
     # No per-request seed: a seeded generator fails on the CPU backend when a prompt is prefilled in chunks.
     sp = SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True, temperature=1.0)
-    times, steps = [], []
+    times, steps, drafts = [], [], []
     for _ in range(repeats):
-        s0 = _engine_steps(llm) if count_steps else 0
+        s0, d0 = (_engine_steps(llm), _draft_tokens(llm)) if count_steps else (0, 0)
         t0 = time.perf_counter()
         llm.generate(prompts, sp, use_tqdm=False)
         times.append(time.perf_counter() - t0)
         steps.append(_engine_steps(llm) - s0 if count_steps else 0)
-    return statistics.median(times), statistics.median(steps)
+        drafts.append(_draft_tokens(llm) - d0 if count_steps else 0)
+    return statistics.median(times), statistics.median(steps), statistics.median(drafts)
 
 
 def _decode_step(llm, prompts, max_tokens: int, repeats: int) -> float:
@@ -156,18 +175,22 @@ def _decode_steps(llm, shapes, vocab: int, t1: int, t2: int, repeats: int, rng, 
     out = []
     for b, p in shapes:
         prompts = _prompts(b, p, vocab, rng)
+        extra = {}
         if count_steps:
-            (short, s1), (long, s2) = (_timed_steps(llm, prompts, t, repeats, True) for t in (t1, t2))
+            (short, s1, d1), (long, s2, d2) = (_timed_steps(llm, prompts, t, repeats, True) for t in (t1, t2))
             step = (long - short) / max(s2 - s1, 1)
             ctx = b * (p + (t1 + t2) / 2)  # mean context of the batch over the extra steps
             tps = b * (t2 - t1) / (long - short) if long > short else None
+            # Tokens drafted per sequence and step: K where every step drafts, less where some find nothing.
+            extra["draft_tokens_per_seq_step"] = (d2 - d1) / max(s2 - s1, 1) / b
         else:
             step = _decode_step(llm, prompts, t2, repeats)
             ctx = b * (p + t2 / 2)  # mean context of the batch over the steps timed
             tps = b / step if step > 0 else None
-        out.append({"batch": b, "prompt": p, "context_tokens": ctx, "step_s": step, "tokens_per_s": tps})
+        out.append({"batch": b, "prompt": p, "context_tokens": ctx, "step_s": step, "tokens_per_s": tps, **extra})
         print(f"  {label}decode batch {b:>3} prompt {p:>4}: {step * 1e3:7.3f} ms/step, "
-              f"{out[-1]['tokens_per_s'] or 0:8.0f} tokens/s", flush=True)
+              f"{out[-1]['tokens_per_s'] or 0:8.0f} tokens/s"
+              + (f", {extra['draft_tokens_per_seq_step']:.2f} drafted per sequence" if extra else ""), flush=True)
     return out
 
 
@@ -221,24 +244,35 @@ def _set_depth(llm, schedule: list[list[int]]) -> None:
 
 def measure_draft(llm, vocab: int, batches: list[int], verify_batches: list[int], k: int, max_seqs: int,
                   repeats: int, quick: bool, task_prompts: list[list[int]], samples: int, max_tokens: int,
-                  tail_seqs: int = 4) -> dict:
+                  tail_seqs: int = 4, model_free: bool = False, prompt: int = 16) -> dict:
     """With a draft model attached: decode steps at K = 0 (what every step
     of a draft-model engine pays outside the tail), verify steps at K = k
     (the drafts and the verification of k tokens per sequence), and the
     acceptance per draft position on the task's own prompts, drafting while
-    at most `tail_seqs` sequences run."""
+    at most `tail_seqs` sequences run.
+
+    With model-free drafts (`model_free`: n-gram prompt lookup matching a
+    single token, on `prompt`-token random prompts, so that nearly every
+    step finds a match and drafts) the same K = 0 and verify steps, the
+    tokens drafted per sequence and step counted; no acceptance: what random
+    prompts draft says nothing about a workload's."""
     from vllm import SamplingParams
 
     rng = np.random.default_rng(1)
     t1, t2 = decode_tokens(quick)
     _set_depth(llm, [[1, max_seqs, 0]])
     _timed(llm, _prompts(4, 16, vocab, rng), t1, 1)  # warm-up
-    k0 = _decode_steps(llm, [(b, 16) for b in sorted(set(batches) | set(verify_batches))], vocab, t1, t2, repeats,
-                       rng, label="K=0 ")
+    # A model-free engine's K = 0 step is a plain one: measured only where it is compared with verify steps.
+    k0_batches = set(verify_batches) if model_free else set(batches) | set(verify_batches)
+    k0 = _decode_steps(llm, [(b, prompt) for b in sorted(k0_batches)], vocab, t1, t2, repeats, rng, label="K=0 ")
     _set_depth(llm, [[1, max_seqs, k]])
     _timed(llm, _prompts(4, 16, vocab, rng), t1, 1)
-    kk = _decode_steps(llm, [(b, 16) for b in verify_batches], vocab, t1, t2, repeats, rng, label=f"K={k} ",
+    kk = _decode_steps(llm, [(b, prompt) for b in verify_batches], vocab, t1, t2, repeats, rng, label=f"K={k} ",
                        count_steps=True)
+    if model_free:
+        print("  acceptance: not measured for model-free drafts (a run's own: `predict --sim "
+              "spec_ngram_acceptance=...`)", flush=True)
+        return {"k": k, "model_free": True, "prompt": prompt, "decode_k0": k0, "decode_k": kk, "acceptance": None}
     # Acceptance where the service speculates: in the tail, while at most
     # `tail_seqs` sequences run (the long responses, not the bulk's short ones).
     tail_seqs = min(tail_seqs, max_seqs)
@@ -343,26 +377,41 @@ def fit_draft(params: dict, d: dict) -> dict:
     fitted by non-negative least squares. A K = 0 step of a draft-model
     engine costs (1 + spec_draft_cost) plain steps in the simulator: the
     measured K = 0 steps against the plain engine's show how far that holds.
-    The acceptance per position is the measured one."""
+    The acceptance per position is the measured one.
+
+    With model-free drafts (`--draft ngram`) the draft term is
+    `spec_ngram_draft_cost` (the proposer and the verify step's fixed
+    machinery, per draft token), K is the number of tokens the steps drafted
+    per sequence, and the acceptance is left to the run."""
     k = int(d["k"])
+    model_free = bool(d.get("model_free"))
     base, per_seq = float(params["decode_base_s"]), float(params["decode_per_seq_s"])
     k0 = {x["batch"]: x["step_s"] for x in d["decode_k0"]}
-    rows = [(x["batch"], x["step_s"] - k0[x["batch"]]) for x in d["decode_k"] if x["batch"] in k0]
+    rows = [(x["batch"], x["step_s"] - k0[x["batch"]], x.get("draft_tokens_per_seq_step", k) if model_free else k)
+            for x in d["decode_k"] if x["batch"] in k0]
     if not rows:
         raise ValueError("no verify step measured at a batch size measured at K = 0")
     n = np.array([r[0] for r in rows], float)
     y = np.array([r[1] for r in rows])
-    cols = {"spec_draft_cost": k * (base + per_seq * n), "spec_verify_cost": k * per_seq * n}
+    kd = np.array([r[2] for r in rows], float)
+    draft_term = "spec_ngram_draft_cost" if model_free else "spec_draft_cost"
+    cols = {draft_term: kd * (base + per_seq * n), "spec_verify_cost": kd * per_seq * n}
     sim = {c: max(0.0, v) for c, v in _lstsq_dropping_negatives(cols, y).items()}
     pred = sum(sim[c] * cols[c] for c in cols)
     plain = [base + per_seq * x["batch"] for x in d["decode_k0"]]
     k0_ratio = [x["step_s"] / p for x, p in zip(d["decode_k0"], plain)]
-    sim["spec_acceptance"] = [round(float(r), 4) for r in d["acceptance"]["rates"]]
-    return {"sim_params": sim,
-            "verify_extra_s": {int(b): float(v) for b, v in zip(n, y)},
-            "verify_extra_fit_s": {int(b): float(v) for b, v in zip(n, pred)},
-            "k0_over_plain": {x["batch"]: float(r) for x, r in zip(d["decode_k0"], k0_ratio)},
-            "mean_acceptance_length": d["acceptance"]["mean_acceptance_length"]}
+    if d.get("acceptance"):
+        sim["spec_acceptance"] = [round(float(r), 4) for r in d["acceptance"]["rates"]]
+    out = {"sim_params": sim,
+           "verify_extra_s": {int(b): float(v) for b, v in zip(n, y)},
+           "verify_extra_fit_s": {int(b): float(v) for b, v in zip(n, pred)},
+           "k0_over_plain": {x["batch"]: float(r) for x, r in zip(d["decode_k0"], k0_ratio)},
+           "mean_acceptance_length": (d.get("acceptance") or {}).get("mean_acceptance_length")}
+    if model_free:
+        out["draft_tokens_per_seq_step"] = {int(b): float(v) for b, v in zip(n, kd)}
+        # A verify step against a K = 0 step of the same batch: what a model-free draft costs in plain steps.
+        out["verify_over_k0"] = {int(b): float((k0[int(b)] + v) / k0[int(b)]) for b, v in zip(n, y)}
+    return out
 
 
 def _shutdown(llm) -> None:
@@ -377,11 +426,17 @@ def calibrate_draft(args, model: str, vocab: int, max_len: int, batches: list[in
     from load_tests.workloads.tiny_reasoner import generate
     from rollout_service.engines.spec_config import SpecConfig
 
-    spec = SpecConfig(method="draft_model", model="" if args.draft == "bundled" else args.draft,
-                      num_speculative_tokens=args.spec_k, schedule=[[1, 1 << 16, 0]])
+    model_free = args.draft == "ngram"
+    if model_free:  # a match of the last token anywhere in a long prompt: nearly every step drafts
+        spec = SpecConfig(method="ngram", num_speculative_tokens=args.spec_k, prompt_lookup_min=1,
+                          prompt_lookup_max=4, schedule=[[1, 1 << 16, 0]])
+        what = "model-free drafts (n-gram prompt lookup)"
+    else:
+        spec = SpecConfig(method="draft_model", model="" if args.draft == "bundled" else args.draft,
+                          num_speculative_tokens=args.spec_k, schedule=[[1, 1 << 16, 0]])
+        what = f"draft model {Path(spec.draft_model_path()).name}"
     max_seqs = max(batches)
-    print(f"speculation: draft model {Path(spec.draft_model_path()).name}, K=0 and K={args.spec_k}; starting the engine...",
-          flush=True)
+    print(f"speculation: {what}, K=0 and K={args.spec_k}; starting the engine...", flush=True)
     llm = LLM(model=model, dtype=args.dtype, enforce_eager=True, max_model_len=max_len, max_num_seqs=max_seqs,
               enable_prefix_caching=False, seed=0, disable_log_stats=False,
               speculative_config=spec.vllm_speculative_config(max_seqs))
@@ -390,7 +445,9 @@ def calibrate_draft(args, model: str, vocab: int, max_len: int, batches: list[in
     prompts = [list(g.prompt_token_ids) for g in workload.steps[0]]
     try:
         return measure_draft(llm, vocab, batches, [int(b) for b in args.verify_batches.split(",")], args.spec_k,
-                             max_seqs, args.repeats, args.quick, prompts, 4, workload.max_tokens)
+                             max_seqs, args.repeats, args.quick, prompts, 4, workload.max_tokens,
+                             model_free=model_free,
+                             prompt=min(448, max_len - decode_tokens(args.quick)[1] - 8) if model_free else 16)
     finally:
         _shutdown(llm)
 
@@ -429,6 +486,8 @@ def _mean_steps(runs: list[list[dict]]) -> list[dict]:
         tps = [r["tokens_per_s"] for r in rows if r["tokens_per_s"]]
         out.append({**rows[0], "step_s": step, "tokens_per_s": statistics.fmean(tps) if tps else None,
                     "step_s_per_engine": [r["step_s"] for r in rows]})
+        if "draft_tokens_per_seq_step" in rows[0]:
+            out[-1]["draft_tokens_per_seq_step"] = statistics.fmean(r["draft_tokens_per_seq_step"] for r in rows)
     return out
 
 
@@ -446,16 +505,17 @@ def merge(results: list[dict]) -> dict:
     if all("draft_measurements" in r for r in results):
         ds = [r["draft_measurements"] for r in results]
         acc = [d["acceptance"] for d in ds]
-        drafts = sum(a["drafts"] for a in acc)
-        accepted = [sum(col) for col in zip(*(a["accepted_per_position"] for a in acc))]
-        rates, length = _acceptance(drafts, accepted)
-        merged["draft_measurements"] = {
-            "k": ds[0]["k"], "decode_k0": _mean_steps([d["decode_k0"] for d in ds]),
-            "decode_k": _mean_steps([d["decode_k"] for d in ds]),
-            "acceptance": {**acc[0], "drafts": drafts, "accepted_per_position": accepted, "rates": rates,
-                           "mean_acceptance_length": length, "prompts": sum(a["prompts"] for a in acc),
-                           "samples": acc[0]["samples"],
-                           "mean_acceptance_length_per_engine": [a["mean_acceptance_length"] for a in acc]}}
+        merged["draft_measurements"] = {**{k: v for k, v in ds[0].items() if k not in ("decode_k0", "decode_k")},
+                                        "decode_k0": _mean_steps([d["decode_k0"] for d in ds]),
+                                        "decode_k": _mean_steps([d["decode_k"] for d in ds])}
+        if all(acc):
+            drafts = sum(a["drafts"] for a in acc)
+            accepted = [sum(col) for col in zip(*(a["accepted_per_position"] for a in acc))]
+            rates, length = _acceptance(drafts, accepted)
+            merged["draft_measurements"]["acceptance"] = {
+                **acc[0], "drafts": drafts, "accepted_per_position": accepted, "rates": rates,
+                "mean_acceptance_length": length, "prompts": sum(a["prompts"] for a in acc),
+                "samples": acc[0]["samples"], "mean_acceptance_length_per_engine": [a["mean_acceptance_length"] for a in acc]}
     merged = _fitted(merged)
     merged["per_engine"] = [{"cores": r["cores"], "sim_params": r["sim_params"],
                              "mean_acceptance_length": r.get("draft_fit", {}).get("mean_acceptance_length")}
@@ -681,9 +741,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-gib", default="1", help="CPU only: KV cache (VLLM_CPU_KVCACHE_SPACE, GiB)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="fewer, shorter measurements")
-    ap.add_argument("--draft", default="", metavar="DIR|bundled",
+    ap.add_argument("--draft", default="", metavar="DIR|bundled|ngram",
                     help="also calibrate speculation with this draft model ('bundled': the bundled drafter): "
-                         "a second engine measures steps at K=0 and K=--spec-k and the acceptance on the task's prompts")
+                         "a second engine measures steps at K=0 and K=--spec-k and the acceptance on the task's prompts; "
+                         "'ngram': model-free drafts (n-gram, siblings), their verify steps' cost only")
     ap.add_argument("--spec-k", type=int, default=4,
                     help="with --draft: the depth of the verify steps and of the acceptance measured (the service's largest K)")
     ap.add_argument("--verify-batches", default="1,2,4,16",
@@ -707,8 +768,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--of", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.draft and args.draft != "bundled" and not (Path(args.draft) / "config.json").is_file():
-        ap.error(f"--draft {args.draft}: not a model directory (no config.json); 'bundled' takes the bundled drafter")
+    if args.draft and args.draft not in ("bundled", "ngram") and not (Path(args.draft) / "config.json").is_file():
+        ap.error(f"--draft {args.draft}: not a model directory (no config.json); 'bundled' takes the bundled drafter, "
+                 "'ngram' model-free drafts")
     if args.engines < 1:
         ap.error(f"--engines {args.engines}: at least 1")
     if args.model and not (Path(args.model) / "config.json").is_file():

@@ -246,6 +246,34 @@ def test_the_draft_calibration_recovers_the_speculation_costs_it_was_measured_wi
     assert free["spec_draft_cost"] == free["spec_verify_cost"] == 0.0
 
 
+def test_the_model_free_draft_calibration_prices_the_tokens_the_steps_drafted():
+    """`calibrate --draft ngram` fits what a model-free draft costs (the
+    verify step's own machinery and the proposer, `spec_ngram_draft_cost`;
+    the verified tokens, `spec_verify_cost`) per token the steps actually
+    drafted, and leaves the acceptance to the run: steps built from known
+    costs with 3.5 of K=4 tokens drafted give those costs back."""
+    from load_tests.calibrate import fit_draft
+
+    plain = {"decode_base_s": 0.070, "decode_per_seq_s": 0.0026}
+    machinery, verify_cost, k, drafted = 0.2, 0.8, 4, 3.5
+
+    def k0(n):
+        return plain["decode_base_s"] + plain["decode_per_seq_s"] * n
+
+    def verify(n):
+        return k0(n) + drafted * (machinery * k0(n) + verify_cost * plain["decode_per_seq_s"] * n)
+
+    measured = {"k": k, "model_free": True, "acceptance": None,
+                "decode_k0": [{"batch": n, "step_s": k0(n)} for n in (1, 2, 4)],
+                "decode_k": [{"batch": n, "step_s": verify(n), "draft_tokens_per_seq_step": drafted} for n in (1, 2, 4)]}
+    out = fit_draft(plain, measured)
+    sim = out["sim_params"]
+    assert sim["spec_ngram_draft_cost"] == pytest.approx(machinery, rel=1e-6)
+    assert sim["spec_verify_cost"] == pytest.approx(verify_cost, rel=1e-6)
+    assert "spec_draft_cost" not in sim and "spec_acceptance" not in sim
+    assert out["verify_over_k0"][1] == pytest.approx(verify(1) / k0(1))
+
+
 def test_a_calibration_file_s_speculation_costs_reach_the_simulated_engines(tmp_path):
     """A calibration with a draft model's costs and acceptance per position
     (`calibrate --draft`) prices a run with speculation: dearer verification
@@ -578,6 +606,30 @@ def test_the_draft_calibration_measures_real_engines_side_by_side_with_a_draft_m
     assert doc["sim_params"]["decode_base_s"] > 0
     assert doc["sim_params"]["spec_acceptance"] == sim["spec_acceptance"]
     assert doc["draft_measurements_from"] == str(out)
+
+
+@pytest.mark.vllm
+def test_the_model_free_draft_calibration_measures_verify_steps_that_draft(tmp_path):
+    """`calibrate --draft ngram` on the bundled model: an n-gram engine's
+    K=0 and verify steps on long prompts, where nearly every step finds a
+    match and drafts, and the fit of what those drafts cost lands in
+    `sim_params` for `predict` (no acceptance: the run's own)."""
+    pytest.importorskip("vllm")
+    from load_tests.calibrate import main as calibrate
+
+    out = tmp_path / "ngram.json"
+    assert calibrate(["--quick", "--draft", "ngram", "--batches", "1,4", "--verify-batches", "1,4", "--repeats", "1",
+                      "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    draft = doc["draft_measurements"]
+    assert draft["model_free"] and draft["acceptance"] is None and draft["prompt"] > 100
+    assert {x["batch"] for x in draft["decode_k"]} == {1, 4}
+    for x in draft["decode_k"]:
+        assert x["step_s"] > 0 and 0.5 * draft["k"] < x["draft_tokens_per_seq_step"] <= draft["k"]
+    sim = doc["sim_params"]
+    assert sim["spec_ngram_draft_cost"] >= 0 and sim["spec_verify_cost"] >= 0
+    assert "spec_acceptance" not in sim and "spec_draft_cost" not in sim
+    assert set(doc["draft_fit"]["verify_over_k0"]) == {"1", "4"}  # JSON keys
 
 
 def test_spec_tail_pace_per_sequence_does_not_depend_on_how_many_sequences_the_tail_holds():
