@@ -667,7 +667,10 @@ def test_a_benchmark_stopped_with_sigterm_stops_its_vllm_engines():
 
     import psutil
 
-    proc = subprocess.Popen([sys.executable, "-m", "load_tests.spec_tail", "--quick", "--routes", "off"],
+    # Many steps of a small workload: the signal lands while steps are left to
+    # run, never while a finished run is already winding down (which exits 0).
+    proc = subprocess.Popen([sys.executable, "-m", "load_tests.spec_tail", "--routes", "off", "--steps", "40",
+                             "--warmup-steps", "1", "--groups", "4", "--samples", "4"],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
     try:
         for line in proc.stdout:  # wait for the fleet to be up and generating
@@ -695,6 +698,26 @@ def test_a_benchmark_stopped_with_sigterm_stops_its_vllm_engines():
         except ProcessLookupError:
             pass
         proc.wait(timeout=30)
+
+
+def test_a_benchmark_stopped_while_winding_down_still_exits_as_stopped():
+    """SIGTERM that lands where the interrupt is swallowed (a finished run
+    stopping its engines, threads joining at exit) must not report success:
+    the process exits 128 + 15 as a shell reports a killed one."""
+    import subprocess
+    import sys
+
+    code = ("import os, signal, time\n"
+            "from load_tests.interrupt import stop_on_sigterm\n"
+            "stop_on_sigterm()\n"
+            "try:\n"
+            "    os.kill(os.getpid(), signal.SIGTERM)\n"
+            "    time.sleep(5)\n"
+            "except KeyboardInterrupt:\n"
+            "    print('unwound')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "unwound"  # the finally/except blocks ran
+    assert done.returncode == 143
 
 
 def test_the_adaptation_curve_refuses_an_unknown_drafter_before_starting_engines(capsys):
