@@ -6,8 +6,8 @@ versions, side by side on real vLLM CPU engines.
     python -m load_tests.drafter_adaptation --quick --report reports/drafter-adaptation-quick
 
 One engine per drafter (`--drafters`, default all three) serves the bundled
-tiny reasoner and speculates at every batch size (K=3, greedy drafts unless
-`--draft-sampling probabilistic`):
+tiny reasoner and speculates at every batch size (K=3 unless `--k`, greedy
+drafts unless `--draft-sampling probabilistic`):
 
 - `frozen`: the bundled drafter, never updated;
 - `samples`: trained online (`DrafterTrainer`, its own process) on the
@@ -171,7 +171,7 @@ async def run(args) -> dict:
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)
     rng = np.random.default_rng(args.seed)
-    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3, "schedule": [[1, 64, 3]],
+    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": args.k, "schedule": [[1, 64, args.k]],
             "draft_sample_method": args.draft_sampling}
     # One core (and one engine) per drafter, fed the same prompts: the engines
     # serve the same policy and sample exactly from it, only the drafters differ.
@@ -254,7 +254,7 @@ async def run(args) -> dict:
     return {
         "target": target, "draft": draft, "versions": versions,
         "config": {k: getattr(args, k) for k in ("drafters", "draft_sampling", "drift", "versions", "groups", "samples",
-                                                 "max_tokens", "draft_steps",
+                                                 "max_tokens", "draft_steps", "k",
                                                  "draft_lr", "draft_versions",
                                                  "policy_steps", "policy_batch", "policy_lr", "seed")},
     }
@@ -291,7 +291,7 @@ def plot(out: dict, path: Path) -> None:
         ax.plot(vs, [r[name]["mean_acceptance_length"] for r in out["versions"]], style, label=_label(name))
     ax.set_xlabel("policy version")
     ax.set_ylabel("mean acceptance length (tokens / verify step)")
-    ax.set_title(f"online drafters vs the bundled one (K=3, {out['config']['draft_sampling']} drafts, "
+    ax.set_title(f"online drafters vs the bundled one (K={out['config'].get('k', 3)}, {out['config']['draft_sampling']} drafts, "
                  f"drift: {out['config']['drift']})")
     ax.legend()
     ax.grid(alpha=0.3)
@@ -311,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
                         "drafter in DIR")
     p.add_argument("--draft-sampling", choices=["greedy", "probabilistic"], default="greedy",
                    help="draft tokens: the drafter's most likely ones, or sampled from it (engine.spec.draft_sample_method)")
+    p.add_argument("--k", type=int, default=3,
+                   help="draft tokens per verify step (the tail schedule uses 5 at one running sequence)")
     p.add_argument("--versions", type=int, default=8, help="policy versions to run")
     p.add_argument("--groups", type=int, default=48, help="GRPO groups per rollout step")
     p.add_argument("--samples", type=int, default=4, help="samples per group")
@@ -337,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     missing = [d for d in args.drafters if "@" in d and not (Path(_initial(d, "")) / "config.json").is_file()]
     if missing:
         p.error(f"--drafters: no drafter (config.json) in {', '.join(_initial(d, '') for d in missing)}")
+    if args.k < 1:
+        p.error(f"--k: {args.k}; draft at least 1 token per verify step")
     if len(set(args.drafters)) < len(args.drafters):
         p.error("--drafters: an entry is given twice")
     if args.quick:

@@ -731,6 +731,9 @@ def test_the_adaptation_curve_refuses_an_unknown_drafter_before_starting_engines
     with pytest.raises(SystemExit):
         adaptation(["--drafters", "frozen,policy@/nonexistent/drafter"])
     assert "--drafters: no drafter (config.json) in /nonexistent/drafter" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        adaptation(["--k", "0"])
+    assert "--k: 0; draft at least 1 token per verify step" in capsys.readouterr().err
 
 
 def test_the_drafter_capacity_study_refuses_a_malformed_grid(capsys):
