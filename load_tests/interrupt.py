@@ -13,6 +13,7 @@ process killed by it.
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import signal
 import sys
@@ -28,6 +29,12 @@ def _interrupt(signum, frame) -> None:
 
 def _exit_as_stopped() -> None:
     if _stopped_by is not None:
+        # os._exit skips the exit handlers registered before this one (at
+        # import): run the two that matter here, which stop daemonic child
+        # processes and flush the logs.
+        if "multiprocessing.util" in sys.modules:
+            sys.modules["multiprocessing.util"]._exit_function()
+        logging.shutdown()
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
