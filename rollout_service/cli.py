@@ -119,6 +119,40 @@ def _add_build_model(sub) -> None:
     p.set_defaults(fn=cmd_build_model)
 
 
+def cmd_build_eagle(args: argparse.Namespace) -> int:
+    from rollout_service.tools.build_eagle import build
+
+    try:
+        build(args.out, target=args.target, samples=args.samples, held_out=args.held_out,
+              max_tokens=args.max_tokens, steps=args.steps, lr=args.lr, depth=args.depth, seed=args.seed,
+              threads=args.threads)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"build-eagle: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _add_build_eagle(sub) -> None:
+    p = sub.add_parser("build-eagle", help="train an EAGLE-style drafter head for the bundled reasoner "
+                                           "(or a target directory)",
+                       description="Distill a one-layer EAGLE head (it drafts from the target's last hidden "
+                                   "state) from the target's own samples; serve it with [engine.spec] "
+                                   "method = \"eagle\", model = OUT.")
+    p.add_argument("--out", required=True, help="directory to write")
+    p.add_argument("--target", help="target model directory (default: the bundled reasoner; its padded "
+                                    "copies share its head)")
+    p.add_argument("--samples", type=int, default=256, help="training responses sampled from the target")
+    p.add_argument("--held-out", type=int, default=64, help="held-out responses the acceptance is measured on")
+    p.add_argument("--max-tokens", type=int, default=300, help="longest sampled response")
+    p.add_argument("--steps", type=int, default=600, help="optimizer steps (16 responses each)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--depth", type=int, help="draft depths trained (the head feeds itself depth-1 times; default 3, "
+                                             "as the online trainer)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.set_defaults(fn=cmd_build_eagle)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rollout-service", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -137,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--max-tokens", type=int, default=256)
     demo.set_defaults(fn=cmd_demo)
     _add_build_model(sub)
+    _add_build_eagle(sub)
     args = parser.parse_args(argv)
     try:
         return args.fn(args)

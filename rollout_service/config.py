@@ -51,7 +51,7 @@ class EngineConfig:
     kv_cache_gib: float = 1.0  # CPU KV cache per vLLM engine (GiB)
     sim: dict[str, Any] = field(default_factory=dict)
     vllm_args: dict[str, Any] = field(default_factory=dict)
-    # Speculative decoding (method off | draft_model | ngram | siblings;
+    # Speculative decoding (method off | draft_model | eagle | ngram | siblings;
     # "tune"/"train" switch on the depth tuner and the online drafter trainer).
     spec: SpecConfig = field(default_factory=SpecConfig)
     # "local": engines run under this process; "ray": each engine runs in a

@@ -132,3 +132,45 @@ def test_the_drafter_preset_pads_the_bundled_drafter(tmp_path, base_config):
     assert (cfg["num_hidden_layers"], cfg["intermediate_size"]) == (PRESETS["drafter"].layers,
                                                                    PRESETS["drafter"].intermediate)
     _assert_same_logits(_load(tiny_draft_path()), _load(tmp_path), base_config["vocab_size"])
+
+
+def test_build_eagle_refuses_a_target_without_a_model(tmp_path, capsys):
+    assert main(["build-eagle", "--out", str(tmp_path / "head"), "--target", str(tmp_path / "none")]) == 2
+    assert "--target: no model in" in capsys.readouterr().err
+    assert main(["build-eagle", "--out", str(tmp_path / "head"), "--steps", "0"]) == 2
+    assert "--steps" in capsys.readouterr().err
+
+
+def test_an_eagle_head_is_written_in_vllms_layout_and_reads_back(tmp_path):
+    from safetensors.torch import load_file
+
+    from rollout_service.drafter import eagle
+
+    policy = _load(tiny_model_path())
+    head = eagle.for_policy(policy, seed=3)
+    out = eagle.save(head, tmp_path / "head", tokenizer_from=tiny_model_path())
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["EagleLlamaForCausalLM"] and cfg["hidden_size"] == policy.config.hidden_size
+    names = set(load_file(str(out / "model.safetensors")))
+    assert "fc.weight" in names and "layers.0.self_attn.q_proj.weight" in names
+    # vLLM shares the target's embeddings and LM head, and the first layer has no input norm
+    assert not any("embed_tokens" in n or "lm_head" in n or "input_layernorm" in n for n in names)
+    assert eagle.is_head_dir(out) and not eagle.is_head_dir(tiny_draft_path())
+    again = eagle.load(out)
+    assert all(torch.equal(a, b) for a, b in zip(head.state_for_vllm().values(), again.state_for_vllm().values()))
+
+
+def test_an_eagle_head_reads_the_same_features_from_a_padded_target(padded):
+    """The padded copy's last hidden state (what vLLM hands an EAGLE head),
+    embeddings and LM head equal the bundled model's, so one head drafts for
+    both."""
+    from rollout_service.drafter import eagle
+
+    bundled, big = _load(tiny_model_path()), _load(padded)
+    ids = torch.randint(3, bundled.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    head = eagle.for_policy(bundled, seed=1)
+    with torch.no_grad():
+        (a, _), = head.unroll(bundled, ids, eagle.policy_features(bundled, ids, mask)[1], mask, 1)
+        (b, _), = head.unroll(big, ids, eagle.policy_features(big, ids, mask)[1], mask, 1)
+    assert torch.allclose(a, b, atol=1e-4)

@@ -253,7 +253,7 @@ class SpecEngineStatus:
     buckets and the depth tuner's decision counts."""
 
     engine_id: str
-    method: str  # "draft_model", "ngram", "siblings"
+    method: str  # "draft_model", "eagle", "ngram", "siblings"
     max_k: int
     draft_version: int
     steps: int

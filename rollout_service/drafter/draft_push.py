@@ -23,7 +23,7 @@ class DraftPush:
     def check(self, version: int, manifest: Mapping[str, tuple[str, tuple[int, ...]]]) -> None:
         """Raise WeightsRejected unless `manifest` {name: (dtype, shape)} fits
         the draft model and `version` is newer than the drafter serving now."""
-        if self.spec.method != "draft_model":
+        if not self.spec.has_model:
             raise WeightsRejected(f"header.target: the engines have no draft model (engine.spec.method is {self.spec.method!r})")
         current = serving_draft_version(self.engines())
         if version <= current:

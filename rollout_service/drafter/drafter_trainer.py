@@ -48,6 +48,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
+import numpy as np
+
 from rollout_service.aio import cancel_and_wait
 from rollout_service.drafter.status import TrainerStatus
 from rollout_service.engines.base import Engine
@@ -117,17 +119,31 @@ def _init_process(model_dir: str, lr: float, threads: int, seed: int, nice: int 
     import torch
     from transformers import AutoModelForCausalLM
 
+    from rollout_service.drafter import eagle
+
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32).eval() if teacher_dir else None
+    if eagle.is_head_dir(model_dir):
+        # An EAGLE head drafts from the policy's hidden states: the policy copy is its input, not only its teacher.
+        if teacher is None:
+            raise ValueError("an EAGLE head trains from the policy: engine.spec.trainer.teacher must be \"policy\"")
+        teacher.requires_grad_(False)
+        model = eagle.load(model_dir)
+        tied, pad = False, int(teacher.config.pad_token_id or 0)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        tied, pad = bool(getattr(model.config, "tie_word_embeddings", False)), int(model.config.pad_token_id or 0)
     model.train()
     _STATE.update(
         model=model,
         optimizer=torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0),
-        tied=bool(getattr(model.config, "tie_word_embeddings", False)),
-        pad=int(model.config.pad_token_id or 0),
+        tied=tied,
+        pad=pad,
         rng=random.Random(seed),
-        teacher=AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32).eval() if teacher_dir else None,
+        teacher=teacher,
+        eagle=eagle.is_head_dir(model_dir),
+        np_rng=np.random.default_rng(seed),
     )
 
 
@@ -203,22 +219,30 @@ def _teacher_targets(examples, max_len: int, pad: int, top_k: int) -> list[tuple
     return out
 
 
+def dense_targets(targets, labels):
+    """A batch's per-example top-k targets (from `_teacher_targets`) laid out
+    over the policy's positions 0..T-2: valid (B, T-1) bool, probs and ids
+    (B, T-1, k); zeros where no response token follows."""
+    import torch
+
+    valid = labels[:, 1:] != -100
+    k = targets[0][0].shape[-1]
+    probs = torch.zeros((*valid.shape, k))
+    ids = torch.zeros((*valid.shape, k), dtype=torch.long)
+    for j, (p, t) in enumerate(targets):
+        rows = valid[j].nonzero().squeeze(-1)
+        probs[j, rows] = p
+        ids[j, rows] = t.long()
+    return valid, probs, ids
+
+
 def _distill_loss(model, batch, targets, max_len: int, pad: int):
     """Forward KL (up to the teacher's entropy) of the drafter from the
     policy's top-k distributions at the batch's response positions."""
     import torch
 
     input_ids, labels, mask = _batch(batch, max_len, pad)
-    shape = (len(batch), input_ids.shape[1] - 1)
-    probs = torch.zeros((*shape, targets[0][0].shape[-1]))
-    ids = torch.zeros((*shape, targets[0][0].shape[-1]), dtype=torch.long)
-    valid = torch.zeros(shape, dtype=torch.bool)
-    shifted = labels[:, 1:] != -100
-    for j, (p, t) in enumerate(targets):
-        rows = shifted[j].nonzero().squeeze(-1)
-        probs[j, rows] = p
-        ids[j, rows] = t.long()
-        valid[j, rows] = True
+    valid, probs, ids = dense_targets(targets, labels)
     logq = torch.log_softmax(model(input_ids=input_ids, attention_mask=mask).logits[:, :-1], -1)
     return -(probs * logq.gather(-1, ids)).sum(-1)[valid].mean()
 
@@ -258,6 +282,8 @@ def _train_round(examples: list[tuple[list[int], list[int]]], fresh: list[tuple[
     import torch
     from safetensors.torch import save_file
 
+    if _STATE.get("eagle"):
+        return _train_eagle_round(examples, fresh, steps, batch_size, max_len, out_path, teacher_path, top_k)
     model, optimizer, rng, pad = _STATE["model"], _STATE["optimizer"], _STATE["rng"], _STATE["pad"]
     t0 = time.perf_counter()
     distil = _STATE.get("teacher") is not None
@@ -303,7 +329,44 @@ def _train_round(examples: list[tuple[list[int], list[int]]], fresh: list[tuple[
     return record
 
 
+def _train_eagle_round(examples, fresh, steps: int, batch_size: int, max_len: int, out_path: str,
+                       teacher_path: str | None, top_k: int) -> dict[str, float]:
+    """`_train_round` for an EAGLE head: distilled from the policy copy (which
+    also supplies the hidden states it drafts from). Agreement is the
+    expected acceptance of its greedy first draft, p(argmax q), and
+    acceptance that of a sampled one, sum_x min(p, q), on `fresh`."""
+    from safetensors.torch import save_file
+
+    from rollout_service.drafter import eagle
+
+    head, teacher, pad = _STATE["model"], _STATE["teacher"], _STATE["pad"]
+    t0 = time.perf_counter()
+    if teacher_path:
+        _load_teacher(teacher_path)
+    targets = _teacher_targets(examples, max_len, pad, top_k)
+    fresh_targets = _teacher_targets(fresh, max_len, pad, top_k) if fresh else []
+    before = eagle.acceptance(head, teacher, fresh, fresh_targets, 1, max_len, pad) if fresh else None
+    _, _, losses = eagle.train_head(teacher, examples, targets, 0.0, steps, head=head, batch=batch_size,
+                                    optimizer=_STATE["optimizer"], rng=_STATE["np_rng"], max_len=max_len, pad=pad)
+    after = eagle.acceptance(head, teacher, fresh, fresh_targets, 1, max_len, pad) if fresh else None
+    save_file(head.state_for_vllm(), out_path)
+    record = {"loss_first": losses[0], "loss_last": losses[-1],
+              "tokens": sum(min(len(p) + len(r), max_len) - min(len(p), max_len) for p, r in examples),
+              "agreement_before": before["greedy"] if before else 0.0,
+              "agreement_after": after["greedy"] if after else 0.0,
+              "seconds": time.perf_counter() - t0}
+    if before and after:
+        record["acceptance_before"], record["acceptance_after"] = before["sampled"], after["sampled"]
+    return record
+
+
 # -- the service side ------------------------------------------------------------------
+
+
+def _is_eagle(model_dir: str) -> bool:
+    from rollout_service.drafter.eagle import is_head_dir
+
+    return is_head_dir(model_dir)
 
 
 def has_draft_model(engine: Engine) -> bool:
@@ -325,6 +388,9 @@ class DrafterTrainer:
                  policy_version: Callable[[], int], policy_model_dir: str | None = None) -> None:
         if cfg.teacher == "policy" and not policy_model_dir:
             raise ValueError("engine.spec.trainer.teacher = \"policy\" needs the policy's model directory")
+        if cfg.teacher != "policy" and _is_eagle(draft_model_dir):
+            raise ValueError("engine.spec.trainer.teacher: an EAGLE head drafts from the policy's hidden states, "
+                             "so it trains from the policy: set teacher = \"policy\"")
         self.engines = [e for e in engines if has_draft_model(e)]
         self.cfg = cfg
         self.draft_model_dir = draft_model_dir

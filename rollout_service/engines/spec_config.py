@@ -1,7 +1,9 @@
 """`[engine.spec]`: how the engines speculate, and the depth schedule's math.
 
 An engine speculates with `method` "draft_model" (a small causal LM with the
-target's tokenizer), "ngram" (prompt lookup, no model) or "siblings"
+target's tokenizer), "eagle" (an EAGLE-style head that drafts from the
+target's own last hidden state, `rollout_service.drafter.eagle`; `model`
+names its directory), "ngram" (prompt lookup, no model) or "siblings"
 (suffix matching over the other responses of the same GRPO group,
 `vllm_siblings`). The depth K (draft tokens proposed per step) depends on
 the running batch size through a schedule [(first, last, K), ...]:
@@ -18,7 +20,9 @@ from typing import Any, Mapping, Sequence
 
 from rollout_service.engines.tables import from_table
 
-METHODS = ("off", "draft_model", "ngram", "siblings")
+METHODS = ("off", "draft_model", "eagle", "ngram", "siblings")
+#: The methods that draft with a model whose weights can be pushed (`target="draft"`).
+MODEL_METHODS = ("draft_model", "eagle")
 SIBLING_PROPOSER = "rollout_service.engines.vllm_siblings.SiblingProposer"
 #: Speculate deeply in the tail, a little in a half-empty batch, never in a full one.
 DEFAULT_SCHEDULE = ((1, 4, 4), (5, 16, 2), (17, 1 << 16, 0))
@@ -70,8 +74,8 @@ class SpecConfig:
     trainer (`rollout_service.drafter`); `tuner` and `trainer` hold their
     settings and are validated there."""
 
-    method: str = "off"  # off | draft_model | ngram | siblings
-    model: str = ""  # draft model directory; "" means the bundled drafter
+    method: str = "off"  # off | draft_model | eagle | ngram | siblings
+    model: str = ""  # draft model directory; "" means the bundled drafter (draft_model only)
     # "greedy": the drafter's argmax (accepted with the target's probability
     # of it); "probabilistic": sampled from the drafter (accepted with
     # probability 1 - TV(target, drafter): better once the drafter matches
@@ -98,6 +102,11 @@ class SpecConfig:
     def enabled(self) -> bool:
         return self.method != "off"
 
+    @property
+    def has_model(self) -> bool:
+        """Whether the engines draft with a model whose weights can be pushed."""
+        return self.method in MODEL_METHODS
+
     def validate(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"engine.spec.method must be one of {list(METHODS)}, got {self.method!r}")
@@ -110,8 +119,15 @@ class SpecConfig:
             raise ValueError(f"engine.spec.draft_sample_method must be 'probabilistic' or 'greedy', got {self.draft_sample_method!r}")
         if self.method == "ngram" and not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("engine.spec: need 1 <= prompt_lookup_min <= prompt_lookup_max")
-        if self.train and self.method != "draft_model":
-            raise ValueError("engine.spec.train needs method = 'draft_model' (there is no model to train otherwise)")
+        if self.method == "eagle" and not self.model:
+            raise ValueError("engine.spec.model: method 'eagle' needs an EAGLE head directory "
+                             "(`rollout-service build-eagle --out DIR` trains one for the bundled reasoner)")
+        if self.train and not self.has_model:
+            raise ValueError("engine.spec.train needs method = 'draft_model' or 'eagle' (there is no model to train "
+                             "otherwise)")
+        if self.train and self.method == "eagle" and (self.trainer or {}).get("teacher", "samples") != "policy":
+            raise ValueError("engine.spec.trainer.teacher: an EAGLE head drafts from the policy's hidden states and "
+                             "trains from the policy; set teacher = \"policy\"")
 
     def draft_model_path(self) -> str:
         if self.model:
@@ -132,7 +148,7 @@ class SpecConfig:
             "num_speculative_tokens": k,
             "num_speculative_tokens_per_batch_size": normalize_schedule(self.schedule, max_seqs, k),
         }
-        if self.method == "draft_model":
+        if self.has_model:
             out["model"] = self.draft_model_path()
             out["draft_sample_method"] = self.draft_sample_method
         elif self.method == "siblings":

@@ -34,8 +34,8 @@ class Speculation(Protocol):
 
     @property
     def has_draft_model(self) -> bool:
-        """Whether the engine drafts with a model (method "draft_model"),
-        i.e. whether `update_draft_weights` applies."""
+        """Whether the engine drafts with a model (method "draft_model" or
+        "eagle"), i.e. whether `update_draft_weights` applies."""
 
     @property
     def draft_version(self) -> int:
@@ -69,7 +69,7 @@ class MonitoredSpeculation:
 
     @property
     def has_draft_model(self) -> bool:
-        return self.monitor.cfg.method == "draft_model"
+        return self.monitor.cfg.has_model
 
     @property
     def draft_version(self) -> int:

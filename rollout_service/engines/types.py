@@ -149,7 +149,8 @@ class EngineDescription:
     `model` is the model directory ("" for a simulated engine without one);
     `kv_capacity_tokens` is 0 until the engine has started and sized its
     cache; `speculation` is the method or "off"; `draft_model` the draft
-    model directory when the method is "draft_model", else ""."""
+    model directory when the method drafts with a model ("draft_model",
+    "eagle"), else ""."""
 
     engine_id: str
     kind: str  # "vllm" or "sim"

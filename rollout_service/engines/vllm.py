@@ -465,7 +465,7 @@ class VllmEngine:
             kv_capacity_tokens=self._kv_capacity, dtype=str(self.vllm_args.get("dtype", self._dtype)),
             logprobs_mode=str(self.vllm_args.get("logprobs_mode", "processed_logprobs")),
             speculation=self.spec.method,
-            draft_model=self.spec.draft_model_path() if self.spec.method == "draft_model" else "")
+            draft_model=self.spec.draft_model_path() if self.spec.has_model else "")
 
     # -- weights ----------------------------------------------------------------
 

@@ -62,7 +62,7 @@ class RolloutWorkerExtension:
     def rollout_reload_draft_weights(self, path: str) -> int:
         """Reload the draft model's weights in place from a safetensors file
         in checkpoint format; returns the tensor count. Only engines started
-        with `method="draft_model"` have a draft model to reload."""
+        with `method="draft_model"` or `"eagle"` have a draft model to reload."""
         from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
         drafter = getattr(self.model_runner, "drafter", None)

@@ -1,0 +1,91 @@
+"""Train an EAGLE-style drafter head for a target, from the target alone.
+
+    rollout-service build-eagle --out /tmp/eagle            # for the bundled reasoner, ~5 min on 2 cores
+    # [engine.spec] method = "eagle", model = "/tmp/eagle"
+
+The target samples `--samples` responses to generated problems at
+temperature 1 (its own prefixes, what the engines will draft on); the head
+(`rollout_service.drafter.eagle`) is distilled from the target's next-token
+distributions on them and checked on `--held-out` more. No download: the
+bundled reasoner (or `--target DIR`) is all it reads. The padded,
+function-identical targets of `build-model` share the bundled reasoner's
+last hidden state, embeddings and LM head, so a head built for the bundled
+reasoner drafts for them unchanged.
+
+Writes DIR/config.json and DIR/model.safetensors in vLLM's EAGLE layout
+(its embeddings and LM head are the target's, shared by vLLM at load), the
+tokenizer files, and DIR/eagle.json with the held-out acceptance per draft
+depth and the tokens per verify step it implies.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+TOP_K = 256
+
+
+def build(out: str | Path, target: str | Path | None = None, samples: int = 256, held_out: int = 64,
+          max_tokens: int = 300, steps: int = 600, lr: float = 1e-3, depth: int | None = None, seed: int = 0,
+          threads: int = 0) -> dict:
+    """Train and write a head; returns the summary written to DIR/eagle.json."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rollout_service.assets import tiny_model_path
+    from rollout_service.drafter import drafter_trainer, eagle
+    from rollout_service.tasks import generate_problems, prompt_token_ids
+
+    depth = eagle.DEPTH if depth is None else depth
+    for flag, value in (("--samples", samples), ("--held-out", held_out), ("--steps", steps), ("--depth", depth),
+                        ("--max-tokens", max_tokens)):
+        if value < 1:
+            raise ValueError(f"{flag} must be at least 1; got {value}")
+    if not lr > 0:
+        raise ValueError(f"--lr must be positive; got {lr}")
+    target_dir = Path(target) if target else tiny_model_path()
+    if not (target_dir / "config.json").exists():
+        raise FileNotFoundError(f"--target: no model in {target_dir} (config.json missing)")
+    if threads:
+        torch.set_num_threads(threads)
+    t0 = time.perf_counter()
+    policy = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    policy.requires_grad_(False)
+    prompts = [prompt_token_ids(p) for p in generate_problems(samples + held_out, seed=seed + 2)]
+    print(f"build-eagle: sampling {len(prompts)} responses of {target_dir.name} at temperature 1 ...", flush=True)
+
+    def sampled(done: int, total: int) -> None:
+        print(f"  sampled {done}/{total} ({time.perf_counter() - t0:.0f} s)", flush=True)
+
+    pairs = eagle.sample_responses(policy, prompts, max_tokens, seed, progress=sampled)
+    train, held = pairs[:samples], pairs[samples:]
+    drafter_trainer._STATE["teacher"] = policy
+    train_targets = drafter_trainer._teacher_targets(train, eagle.MAX_LEN, 0, TOP_K)
+    held_targets = drafter_trainer._teacher_targets(held, eagle.MAX_LEN, 0, TOP_K)
+    print(f"build-eagle: distilling the head, {steps} steps at lr {lr:g} ...", flush=True)
+    every = max(1, steps // 10)
+
+    def trained(step: int, total: int, loss: float) -> None:
+        if step % every == 0 or step == total:
+            print(f"  step {step}/{total}: loss {loss:.3f} ({time.perf_counter() - t0:.0f} s)", flush=True)
+
+    head, seconds, _ = eagle.train_head(policy, train, train_targets, lr, steps, depth, seed, progress=trained)
+    acc = eagle.acceptance(head, policy, held, held_targets, 5)
+    path = eagle.save(head, out, tokenizer_from=target_dir)
+
+    summary = {
+        "target": str(target_dir), "samples": samples, "held_out": held_out, "max_tokens": max_tokens,
+        "steps": steps, "lr": lr, "depth": depth, "seed": seed, "train_seconds": round(seconds, 1),
+        "held_out_acceptance": acc,
+        "tokens_per_verify_greedy": {f"k{k}": round(eagle.tokens_per_verify(acc["greedy_by_depth"], k), 3) for k in (3, 5)},
+        "tokens_per_verify_sampled": {f"k{k}": round(eagle.tokens_per_verify(acc["sampled_by_depth"], k), 3) for k in (3, 5)},
+    }
+    (path / "eagle.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"build-eagle: held-out acceptance by draft depth, greedy drafts "
+          f"{' '.join(f'{a:.2f}' for a in acc['greedy_by_depth'])}; sampled "
+          f"{' '.join(f'{a:.2f}' for a in acc['sampled_by_depth'])}", flush=True)
+    print(f"build-eagle: wrote {path} in {time.perf_counter() - t0:.0f} s; tokens per verify step "
+          f"(greedy) {summary['tokens_per_verify_greedy']['k3']} at K=3, "
+          f"{summary['tokens_per_verify_greedy']['k5']} at K=5", flush=True)
+    return summary
