@@ -20,6 +20,10 @@ drafts unless `--draft-sampling probabilistic`):
 An entry `TEACHER@DIR` starts that drafter from the model in DIR instead of
 `--draft`, e.g. a deeper one (`rollout-service build-model --preset drafter
 --out DIR`) beside the bundled one: `--drafters frozen,policy,policy@DIR`.
+Where DIR holds an EAGLE head (`rollout-service build-eagle --out DIR`) its
+engine speculates with `method = "eagle"`: `frozen@DIR` keeps the head as
+built, `policy@DIR` distils it from each pushed policy (an EAGLE head reads
+the policy's hidden states, so it has no `samples` variant).
 
 Each policy version:
 
@@ -161,7 +165,7 @@ async def run(args) -> dict:
     from rollout_service.core.rollout import RolloutCore
     from rollout_service.engines.types import SamplingParams
     from rollout_service.lifecycle.types import GroupSpec
-    from rollout_service.drafter import DrafterTrainer, TrainerConfig
+    from rollout_service.drafter import DrafterTrainer, TrainerConfig, eagle
     from rollout_service.engines.vllm import VllmEngine
     from rollout_service.scheduling import make_placement
     from rollout_service.tasks import EOS_ID, decode, encode, generate_problems, prompt_token_ids, verify
@@ -178,8 +182,9 @@ async def run(args) -> dict:
     cpus = max(1, len(os.sched_getaffinity(0)))
     cores = {}
     for i, name in enumerate(args.drafters):
+        method = "eagle" if eagle.is_head_dir(_initial(name, draft)) else "draft_model"
         engine = VllmEngine(name, target, max_seqs=64, max_model_len=1024, cpu_bind=str(i % cpus), seed=i,
-                            spec=dict(spec, model=_initial(name, draft)))
+                            spec=dict(spec, method=method, model=_initial(name, draft)))
         cores[name] = RolloutCore([engine], make_placement("least-assigned"), Clock())
     await asyncio.gather(*(core.start() for core in cores.values()))
     trainers = {}
@@ -273,7 +278,12 @@ def _initial(name: str, default: str) -> str:
 def _label(name: str) -> str:
     if "@" not in name:
         return LABEL[name]
+    from rollout_service.drafter.eagle import is_head_dir
+
     path = Path(_initial(name, ""))
+    if is_head_dir(path):
+        return (f"frozen EAGLE head ({path.name})" if _teacher(name) == "frozen"
+                else f"EAGLE head, distilled from the pushed policy ({path.name})")
     layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
     return f"{LABEL[_teacher(name)]}, {layers}-layer drafter ({path.name})"
 
@@ -339,6 +349,12 @@ def main(argv: list[str] | None = None) -> int:
     missing = [d for d in args.drafters if "@" in d and not (Path(_initial(d, "")) / "config.json").is_file()]
     if missing:
         p.error(f"--drafters: no drafter (config.json) in {', '.join(_initial(d, '') for d in missing)}")
+    from rollout_service.drafter.eagle import is_head_dir
+
+    taught_by_samples = [d for d in args.drafters if _teacher(d) == "samples" and is_head_dir(_initial(d, args.draft))]
+    if taught_by_samples:
+        p.error(f"--drafters: {', '.join(taught_by_samples)}: an EAGLE head trains from the policy; "
+                "use policy@DIR (or frozen@DIR)")
     if args.k < 1:
         p.error(f"--k: {args.k}; draft at least 1 token per verify step")
     if len(set(args.drafters)) < len(args.drafters):

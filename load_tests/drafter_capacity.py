@@ -20,6 +20,11 @@ perfect drafter would reach, for several distillation budgets.
    point. Held-out acceptance per token: greedy drafts, p(argmax q);
    sampled drafts, sum_x min(p, q). With K=3 a per-token acceptance a
    gives about 1 + a + a^2 + a^3 tokens per verify step.
+5. With `--eagle`, an EAGLE-style head (`rollout_service.drafter.eagle`:
+   it reads the policy's last hidden state) is distilled at each grid point
+   the same way, and its acceptance is measured per draft depth (depth d:
+   the head has fed its own output d-1 times), so its tokens per verify
+   step are 1 + a1 + a1 a2 + ...
 
 Writes DIR/drafter_capacity.json.
 """
@@ -36,33 +41,6 @@ import numpy as np
 from load_tests.report import save_json
 
 MAX_LEN = 1024
-
-
-def _sample(model, prompts: list[list[int]], max_tokens: int, seed: int) -> list[tuple[list[int], list[int]]]:
-    """(prompt, response) pairs sampled at temperature 1, in left-padded batches."""
-    import torch
-
-    from rollout_service.tasks import EOS_ID
-
-    torch.manual_seed(seed)
-    out = []
-    with torch.no_grad():
-        for i in range(0, len(prompts), 32):
-            chunk = prompts[i:i + 32]
-            width = max(len(p) for p in chunk)
-            ids = torch.zeros((len(chunk), width), dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for j, p in enumerate(chunk):
-                ids[j, width - len(p):] = torch.tensor(p)
-                mask[j, width - len(p):] = 1
-            gen = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
-                                 top_p=1.0, max_new_tokens=max_tokens, eos_token_id=EOS_ID, pad_token_id=0)
-            for j, p in enumerate(chunk):
-                response = gen[j, width:].tolist()
-                if EOS_ID in response:
-                    response = response[:response.index(EOS_ID) + 1]
-                out.append((p, response))
-    return out
 
 
 def _acceptance(model, examples, targets) -> dict:
@@ -110,8 +88,10 @@ def _train(base, train, targets, lr: float, steps: int, loss: str, seed: int) ->
     return model, time.perf_counter() - t0
 
 
-def _length(a: float, k: int = 3) -> float:
-    return sum(a ** i for i in range(k + 1))
+def _length(a: float | list[float], k: int = 3) -> float:
+    from rollout_service.drafter.eagle import tokens_per_verify
+
+    return tokens_per_verify(a, k)
 
 
 def run(args) -> dict:
@@ -120,7 +100,7 @@ def run(args) -> dict:
 
     from load_tests.drafter_adaptation import _fine_tune
     from rollout_service.assets import tiny_draft_path, tiny_model_path
-    from rollout_service.drafter import drafter_trainer
+    from rollout_service.drafter import drafter_trainer, eagle
     from rollout_service.tasks import EOS_ID, encode, generate_problems, prompt_token_ids
 
     torch.manual_seed(args.seed)
@@ -136,7 +116,7 @@ def run(args) -> dict:
         print(f"policy v{v + 1}: drifted", flush=True)
     t0 = time.perf_counter()
     prompts = [prompt_token_ids(p) for p in generate_problems(args.train + args.held_out, seed=args.seed + 2)]
-    pairs = _sample(policy, prompts, args.max_tokens, args.seed)
+    pairs = eagle.sample_responses(policy, prompts, args.max_tokens, args.seed)
     train, held = pairs[:args.train], pairs[args.train:]
     print(f"sampled {len(pairs)} responses of the drifted policy in {time.perf_counter() - t0:.0f} s", flush=True)
     drafter_trainer._STATE["teacher"] = policy  # the training process's policy copy, here in-process
@@ -157,12 +137,26 @@ def run(args) -> dict:
         rows.append(row)
         print(f"{row['drafter']}, lr {lr:g}, {steps} steps: greedy {row['greedy']:.3f}, sampled {row['sampled']:.3f} "
               f"({seconds:.0f} s)", flush=True)
+    if args.eagle:
+        policy.requires_grad_(False)
+        for lr, steps in args.grid:
+            head, seconds, _ = eagle.train_head(policy, train, train_targets, lr, steps, args.eagle_depth, args.seed)
+            row = {"drafter": "EAGLE-style head, distilled", "loss": "policy", "lr": lr, "steps": steps,
+                   "seconds": seconds, **eagle.acceptance(head, policy, held, held_targets, 5)}
+            rows.append(row)
+            print(f"{row['drafter']}, lr {lr:g}, {steps} steps: greedy by depth "
+                  f"{' '.join(f'{a:.3f}' for a in row['greedy_by_depth'])}, sampled by depth "
+                  f"{' '.join(f'{a:.3f}' for a in row['sampled_by_depth'])} ({seconds:.0f} s)", flush=True)
     for row in rows:
-        row["length_greedy"], row["length_sampled"] = _length(row["greedy"]), _length(row["sampled"])
-    return {"ceiling": {"greedy": ceiling, "sampled": 1.0, "length_greedy": _length(ceiling), "length_sampled": 4.0},
+        for kind in ("greedy", "sampled"):
+            per_depth = row.get(f"{kind}_by_depth", row[kind])
+            row[f"length_{kind}"], row[f"length_{kind}_k5"] = _length(per_depth, 3), _length(per_depth, 5)
+    return {"ceiling": {"greedy": ceiling, "sampled": 1.0, "length_greedy": _length(ceiling), "length_sampled": 4.0,
+                        "length_greedy_k5": _length(ceiling, 5), "length_sampled_k5": 6.0},
             "rows": rows,
             "config": {k: getattr(args, k) for k in ("versions", "policy_steps", "policy_lr", "train", "held_out",
-                                                     "max_tokens", "grid", "seed", "draft")}}
+                                                     "max_tokens", "grid", "seed", "draft", "eagle",
+                                                     "eagle_depth")}}
 
 
 def _grid(text: str) -> list[tuple[float, int]]:
@@ -188,10 +182,16 @@ def main(argv: list[str] | None = None) -> int:
                         "trains on samples)")
     p.add_argument("--draft", default="", help="initial drafter directory (default: the bundled drafter; "
                                                 "`rollout-service build-model --source draft` pads it deeper)")
+    p.add_argument("--eagle", action="store_true",
+                   help="also distill an EAGLE-style head (reads the policy's last hidden state) at each grid point")
+    p.add_argument("--eagle-depth", type=int, default=3,
+                   help="draft depths the EAGLE head is trained at (it feeds itself depth-1 times)")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--report", help="output directory")
     args = p.parse_args(argv)
+    if args.eagle_depth < 1:
+        p.error(f"--eagle-depth must be at least 1; got {args.eagle_depth}")
     out = run(args)
     out["command"] = " ".join(["python -m load_tests.drafter_capacity", *(sys.argv[1:] if argv is None else argv)])
     print(json.dumps({r["drafter"] + (f" lr {r['lr']:g} x {r['steps']}" if "lr" in r else ""):

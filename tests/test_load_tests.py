@@ -736,6 +736,25 @@ def test_the_adaptation_curve_refuses_an_unknown_drafter_before_starting_engines
     assert "--k: 0; draft at least 1 token per verify step" in capsys.readouterr().err
 
 
+def test_the_adaptation_curve_refuses_an_eagle_head_taught_by_samples(tmp_path, capsys):
+    """An EAGLE head drafts from the policy's hidden states, so only the
+    policy can teach it: `samples@HEAD` is refused naming the entry and what
+    to use, before any engine starts."""
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM
+
+    from load_tests.drafter_adaptation import main as adaptation
+    from rollout_service.assets import tiny_model_path
+    from rollout_service.drafter import eagle
+
+    policy = AutoModelForCausalLM.from_pretrained(str(tiny_model_path()), dtype=torch.float32)
+    head = str(eagle.save(eagle.for_policy(policy), tmp_path / "head"))
+    with pytest.raises(SystemExit):
+        adaptation(["--drafters", f"frozen,samples@{head}"])
+    assert f"--drafters: samples@{head}: an EAGLE head trains from the policy; use policy@DIR" \
+        in capsys.readouterr().err
+
+
 def test_the_drafter_capacity_study_refuses_a_malformed_grid(capsys):
     """`drafter_capacity --grid` takes LRxSTEPS points; anything else is
     refused with the expected form, before the policy drifts."""
