@@ -120,7 +120,7 @@ def _add_build_model(sub) -> None:
 
 
 def cmd_build_eagle(args: argparse.Namespace) -> int:
-    from rollout_service.tools.build_eagle import build
+    from rollout_service.drafter.build_eagle import build
 
     try:
         build(args.out, target=args.target, samples=args.samples, held_out=args.held_out,

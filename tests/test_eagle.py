@@ -35,7 +35,7 @@ ALWAYS = [[1, MAX_SEQS, K]]
 
 @pytest.fixture(scope="module")
 def head_dir(tmp_path_factory) -> str:
-    from rollout_service.tools.build_eagle import build
+    from rollout_service.drafter.build_eagle import build
 
     out = tmp_path_factory.mktemp("eagle")
     summary = build(out, target=MODEL, samples=64, held_out=16, max_tokens=120, steps=200, threads=1)

@@ -273,7 +273,7 @@ def sample_responses(model, prompts: list[list[int]], max_tokens: int, seed: int
                 ids[j, width - len(p):] = torch.tensor(p)
                 mask[j, width - len(p):] = 1
             gen = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
-                                 top_p=1.0, max_new_tokens=max_tokens, eos_token_id=EOS_ID,
+                                 top_p=1.0, max_new_tokens=max_tokens, max_length=None, eos_token_id=EOS_ID,
                                  pad_token_id=0)
             for j, p in enumerate(chunk):
                 response = gen[j, width:].tolist()
