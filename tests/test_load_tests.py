@@ -625,7 +625,9 @@ def test_the_model_free_draft_calibration_measures_verify_steps_that_draft(tmp_p
     assert draft["model_free"] and draft["acceptance"] is None and draft["prompt"] > 100
     assert {x["batch"] for x in draft["decode_k"]} == {1, 4}
     for x in draft["decode_k"]:
-        assert x["step_s"] > 0 and 0.5 * draft["k"] < x["draft_tokens_per_seq_step"] <= draft["k"]
+        # A difference of two runs' drafted tokens over their difference in steps: on a loaded host the
+        # batch may be scheduled over one more step in one run than the other, a few percent either way.
+        assert x["step_s"] > 0 and 0.5 * draft["k"] < x["draft_tokens_per_seq_step"] <= 1.1 * draft["k"]
     sim = doc["sim_params"]
     assert sim["spec_ngram_draft_cost"] >= 0 and sim["spec_verify_cost"] >= 0
     assert "spec_acceptance" not in sim and "spec_draft_cost" not in sim

@@ -61,7 +61,7 @@ def test_spec_table_loads_from_toml(tmp_path):
 def test_a_flag_switches_speculation_on_and_a_bad_value_names_engine_spec():
     assert load_config(None, ["engine.spec.method=ngram"]).engine.spec.method == "ngram"
     with pytest.raises(ValueError, match="engine.spec.method"):
-        load_config(None, ["engine.spec.method=eagle"])
+        load_config(None, ["engine.spec.method=medusa"])
     with pytest.raises(ValueError, match="engine.spec.no_such"):
         load_config(None, ["engine.spec.no_such=1"])
 
