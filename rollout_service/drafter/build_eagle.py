@@ -1,6 +1,6 @@
 """Train an EAGLE-style drafter head for a target, from the target alone.
 
-    rollout-service build-eagle --out /tmp/eagle            # for the bundled reasoner, ~5 min on 2 cores
+    rollout-service build-eagle --out /tmp/eagle            # for the bundled reasoner: ~10 min on 2 idle cores
     # [engine.spec] method = "eagle", model = "/tmp/eagle"
 
 The target samples `--samples` responses to generated problems at
