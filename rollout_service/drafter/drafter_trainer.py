@@ -351,6 +351,7 @@ def _train_eagle_round(examples, fresh, steps: int, batch_size: int, max_len: in
     after = eagle.acceptance(head, teacher, fresh, fresh_targets, 1, max_len, pad) if fresh else None
     save_file(head.state_for_vllm(), out_path)
     record = {"loss_first": losses[0], "loss_last": losses[-1],
+              # the response tokens of the round's training set (the other round counts those of its batches)
               "tokens": sum(min(len(p) + len(r), max_len) - min(len(p), max_len) for p, r in examples),
               "agreement_before": before["greedy"] if before else 0.0,
               "agreement_after": after["greedy"] if after else 0.0,
