@@ -88,12 +88,6 @@ def _train(base, train, targets, lr: float, steps: int, loss: str, seed: int) ->
     return model, time.perf_counter() - t0
 
 
-def _length(a: float | list[float], k: int = 3) -> float:
-    from rollout_service.drafter.eagle import tokens_per_verify
-
-    return tokens_per_verify(a, k)
-
-
 def run(args) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
@@ -101,6 +95,7 @@ def run(args) -> dict:
     from load_tests.drafter_adaptation import _fine_tune
     from rollout_service.assets import tiny_draft_path, tiny_model_path
     from rollout_service.drafter import drafter_trainer, eagle
+    from rollout_service.drafter.eagle import tokens_per_verify
     from rollout_service.tasks import EOS_ID, encode, generate_problems, prompt_token_ids
 
     torch.manual_seed(args.seed)
@@ -150,9 +145,9 @@ def run(args) -> dict:
     for row in rows:
         for kind in ("greedy", "sampled"):
             per_depth = row.get(f"{kind}_by_depth", row[kind])
-            row[f"length_{kind}"], row[f"length_{kind}_k5"] = _length(per_depth, 3), _length(per_depth, 5)
-    return {"ceiling": {"greedy": ceiling, "sampled": 1.0, "length_greedy": _length(ceiling), "length_sampled": 4.0,
-                        "length_greedy_k5": _length(ceiling, 5), "length_sampled_k5": 6.0},
+            row[f"length_{kind}"], row[f"length_{kind}_k5"] = tokens_per_verify(per_depth, 3), tokens_per_verify(per_depth, 5)
+    return {"ceiling": {"greedy": ceiling, "sampled": 1.0, "length_greedy": tokens_per_verify(ceiling, 3), "length_sampled": 4.0,
+                        "length_greedy_k5": tokens_per_verify(ceiling, 5), "length_sampled_k5": 6.0},
             "rows": rows,
             "config": {k: getattr(args, k) for k in ("versions", "policy_steps", "policy_lr", "train", "held_out",
                                                      "max_tokens", "grid", "seed", "draft", "eagle",

@@ -24,7 +24,7 @@ from rollout_service.engines.vllm import VllmEngine  # noqa: E402
 
 from conftest import running, vllm_model  # noqa: E402
 from test_spec_decode import (PROMPT, assert_same_distribution, feed_samples, greedy_acceptance,  # noqa: E402
-                              problem_prompts, sample, staged, swapped, wait_for_round)
+                              plain_engine, problem_prompts, sample, staged, swapped)  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.vllm
 MODEL = vllm_model()
@@ -58,14 +58,6 @@ async def eagle_service(head_dir):
 @pytest.fixture(scope="module")
 def eagle_engine(eagle_service) -> VllmEngine:
     return next(iter(eagle_service.core.engines.values()))
-
-
-@pytest.fixture(scope="module")
-async def plain_engine():
-    engine = VllmEngine("plain-eagle-ref", MODEL, max_seqs=MAX_SEQS, max_model_len=1024, cpu_bind="1", seed=1)
-    await engine.start()
-    yield engine
-    await engine.close()
 
 
 @pytest.fixture(scope="module")

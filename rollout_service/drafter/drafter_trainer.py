@@ -51,6 +51,7 @@ from typing import Any, Callable, Iterable, Mapping
 import numpy as np
 
 from rollout_service.aio import cancel_and_wait
+from rollout_service.drafter import eagle
 from rollout_service.drafter.status import TrainerStatus
 from rollout_service.engines.base import Engine
 from rollout_service.engines.tables import from_table
@@ -119,12 +120,11 @@ def _init_process(model_dir: str, lr: float, threads: int, seed: int, nice: int 
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rollout_service.drafter import eagle
-
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
     teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32).eval() if teacher_dir else None
-    if eagle.is_head_dir(model_dir):
+    is_eagle = eagle.is_head_dir(model_dir)
+    if is_eagle:
         # An EAGLE head drafts from the policy's hidden states: the policy copy is its input, not only its teacher.
         if teacher is None:
             raise ValueError("an EAGLE head trains from the policy: engine.spec.trainer.teacher must be \"policy\"")
@@ -142,7 +142,7 @@ def _init_process(model_dir: str, lr: float, threads: int, seed: int, nice: int 
         pad=pad,
         rng=random.Random(seed),
         teacher=teacher,
-        eagle=eagle.is_head_dir(model_dir),
+        eagle=is_eagle,
         np_rng=np.random.default_rng(seed),
     )
 
@@ -337,8 +337,6 @@ def _train_eagle_round(examples, fresh, steps: int, batch_size: int, max_len: in
     acceptance that of a sampled one, sum_x min(p, q), on `fresh`."""
     from safetensors.torch import save_file
 
-    from rollout_service.drafter import eagle
-
     head, teacher, pad = _STATE["model"], _STATE["teacher"], _STATE["pad"]
     t0 = time.perf_counter()
     if teacher_path:
@@ -364,12 +362,6 @@ def _train_eagle_round(examples, fresh, steps: int, batch_size: int, max_len: in
 # -- the service side ------------------------------------------------------------------
 
 
-def _is_eagle(model_dir: str) -> bool:
-    from rollout_service.drafter.eagle import is_head_dir
-
-    return is_head_dir(model_dir)
-
-
 def has_draft_model(engine: Engine) -> bool:
     """Whether the engine drafts with a model (so draft weights apply to it)."""
     return engine.speculation is not None and engine.speculation.has_draft_model
@@ -389,7 +381,7 @@ class DrafterTrainer:
                  policy_version: Callable[[], int], policy_model_dir: str | None = None) -> None:
         if cfg.teacher == "policy" and not policy_model_dir:
             raise ValueError("engine.spec.trainer.teacher = \"policy\" needs the policy's model directory")
-        if cfg.teacher != "policy" and _is_eagle(draft_model_dir):
+        if cfg.teacher != "policy" and eagle.is_head_dir(draft_model_dir):
             raise ValueError("engine.spec.trainer.teacher: an EAGLE head drafts from the policy's hidden states, "
                              "so it trains from the policy: set teacher = \"policy\"")
         self.engines = [e for e in engines if has_draft_model(e)]

@@ -186,12 +186,16 @@ def _head_class():
 _CLASS: Any = None
 
 
-def for_policy(policy, intermediate: int | None = None, seed: int = 0):
-    """A fresh head sized for `policy` (see `head_config`)."""
+def _head_type():
     global _CLASS
     if _CLASS is None:
         _CLASS = _head_class()
-    return _CLASS.for_policy(policy, intermediate, seed)
+    return _CLASS
+
+
+def for_policy(policy, intermediate: int | None = None, seed: int = 0):
+    """A fresh head sized for `policy` (see `head_config`)."""
+    return _head_type().for_policy(policy, intermediate, seed)
 
 
 def is_head_dir(path: str | Path) -> bool:
@@ -207,11 +211,8 @@ def load(path: str | Path):
     """The head written by `save` (or `rollout-service build-eagle`)."""
     from safetensors.torch import load_file
 
-    global _CLASS
-    if _CLASS is None:
-        _CLASS = _head_class()
     path = Path(path)
-    head = _CLASS(json.loads((path / "config.json").read_text()))
+    head = _head_type()(json.loads((path / "config.json").read_text()))
     head.load_vllm_state(load_file(str(path / "model.safetensors")))
     return head
 
