@@ -1,6 +1,7 @@
 """The tail of a rollout step on real vLLM CPU engines, with speculation off,
 with the frozen (bundled) drafter, with the online-trained drafter, with
-n-gram drafts, and with drafts from sibling responses.
+n-gram drafts, with drafts from sibling responses, and with an EAGLE head
+(`--eagle DIR`, built by `rollout-service build-eagle`).
 
     python -m load_tests.spec_tail --report reports/spec-tail            # ~10 min on 2 cores
     python -m load_tests.spec_tail --quick --report reports/spec-tail-quick
@@ -54,6 +55,7 @@ ROUTES = {
     "adaptive": {"method": "draft_model", "train": True},
     "ngram": {"method": "ngram"},
     "siblings": {"method": "siblings"},
+    "eagle": {"method": "eagle"},  # the head directory comes from --eagle
 }
 
 
@@ -127,6 +129,8 @@ async def run_route(name: str, args, workload) -> dict:
         spec.update(num_speculative_tokens=max(1, *(k for _, _, k in schedule)), schedule=schedule, tune=args.tune)
         if spec["method"] == "draft_model" and args.draft:
             spec["model"] = args.draft
+        if spec["method"] == "eagle":
+            spec["model"] = args.eagle
         if spec.get("train"):
             spec["trainer"] = {"min_new_samples": 10**9, "steps_per_round": args.draft_steps}
     cfg = EngineConfig(kind="vllm", num_engines=args.engines, model=args.model, max_seqs=args.max_seqs, spec=spec)
@@ -196,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--routes", default=",".join(ROUTES), help=f"comma list of {list(ROUTES)}")
     p.add_argument("--model", default="", help="target model directory (default: the bundled tiny reasoner)")
     p.add_argument("--draft", default="", help="draft model directory (default: the bundled drafter)")
+    p.add_argument("--eagle", default="", help="EAGLE head directory for the `eagle` route (rollout-service build-eagle)")
     p.add_argument("--engines", type=int, default=2)
     p.add_argument("--max-seqs", type=int, default=64)
     p.add_argument("--steps", type=int, default=4, help="steps per route, warm-up steps included")
@@ -215,6 +220,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="2 steps of 8 groups x 4 samples")
     p.add_argument("--report", help="output directory")
     args = p.parse_args(argv)
+    routes = [r.strip() for r in args.routes.split(",") if r.strip()]
+    unknown = [r for r in routes if r not in ROUTES]
+    if unknown:
+        p.error(f"--routes: unknown route(s) {unknown}; choose from {list(ROUTES)}")
+    if "eagle" in routes:
+        from rollout_service.drafter.eagle import is_head_dir
+
+        if not args.eagle:
+            p.error("--eagle: the eagle route needs an EAGLE head directory (rollout-service build-eagle --out DIR)")
+        if not is_head_dir(args.eagle):
+            p.error(f"--eagle {args.eagle!r}: not an EAGLE head directory (rollout-service build-eagle --out DIR)")
     if args.quick:
         args.steps, args.warmup_steps, args.groups, args.samples = 2, 1, min(args.groups, 8), min(args.samples, 4)
     workload = generate(args.steps, args.groups, seed=args.seed, samples_per_group=args.samples)
@@ -223,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
            "engines": args.engines, "max_seqs": args.max_seqs, "steps": args.steps, "groups": args.groups,
            "samples": args.samples, "warmup_steps": args.warmup_steps, "max_tokens": workload.max_tokens, "tail_schedule": tail_schedule(args), "tune": args.tune,
            "routes": {}}
-    for name in [r.strip() for r in args.routes.split(",") if r.strip()]:
+    for name in routes:
         out["routes"][name] = asyncio.run(run_route(name, args, workload))
     print(f"{'route':<10} {'makespan s':>11} {'tokens/s':>9} {'tail s':>7} {'tail tokens/s':>14} {'per sequence':>13}")
     for name, r in out["routes"].items():

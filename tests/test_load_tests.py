@@ -757,6 +757,20 @@ def test_the_adaptation_curve_refuses_an_eagle_head_taught_by_samples(tmp_path, 
         in capsys.readouterr().err
 
 
+def test_the_spec_tail_benchmark_refuses_an_eagle_route_without_a_head(tmp_path, capsys):
+    """`spec_tail --routes eagle` needs `--eagle DIR` holding a head; without
+    one, with a directory that is not a head, or with an unknown route, it is
+    refused naming the flag before any engine starts."""
+    from load_tests.spec_tail import main as spec_tail
+
+    for argv, message in ((["--routes", "off,eagle"], "--eagle: the eagle route needs an EAGLE head directory"),
+                          (["--routes", "eagle", "--eagle", str(tmp_path)], f"--eagle {str(tmp_path)!r}: not an EAGLE head"),
+                          (["--routes", "off,medusa"], "--routes: unknown route(s) ['medusa']")):
+        with pytest.raises(SystemExit):
+            spec_tail(argv)
+        assert message in capsys.readouterr().err
+
+
 def test_the_drafter_capacity_study_refuses_a_malformed_grid(capsys):
     """`drafter_capacity --grid` takes LRxSTEPS points; anything else is
     refused with the expected form, before the policy drifts."""

@@ -223,6 +223,19 @@ def test_policy_mechanisms_switch_speculation_on():
         mechanism_spec(["spec", "spec-ngram"])
 
 
+def test_an_eagle_policy_needs_a_head_directory():
+    """`spec-eagle` speculates with an EAGLE head: without `--spec model=DIR`
+    the fleet is refused naming engine.spec.model, with one it is served."""
+    from load_tests.policies import parse_policy
+    from load_tests.targets import FleetSpec
+
+    policy = parse_policy("length-aware+rebalance+partial+spec-eagle")
+    with pytest.raises(ValueError, match="engine.spec.model: method 'eagle' needs an EAGLE head directory"):
+        FleetSpec(engines=2, policy=policy, kind="vllm").engine_config()
+    spec = FleetSpec(engines=2, policy=policy, kind="vllm", spec={"model": "/heads/eagle"}).engine_config().spec
+    assert spec.method == "eagle" and spec.model == "/heads/eagle" and not spec.train
+
+
 async def test_spec_runtime_on_sim_engines_refreshes_the_drafter_per_policy_version():
     from rollout_service.core.clock import Clock
     from rollout_service.core.rollout import RolloutCore

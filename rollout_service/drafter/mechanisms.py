@@ -11,6 +11,7 @@ MECHANISM_SPECS: dict[str, dict[str, Any]] = {
     "spec-fixed": {"method": "draft_model", "tune": False, "train": False},
     "spec-ngram": {"method": "ngram", "tune": True},
     "spec-siblings": {"method": "siblings", "tune": True},
+    "spec-eagle": {"method": "eagle", "tune": True, "train": False},
 }
 
 #: Their names as the policy vocabulary takes them (name -> description);
@@ -21,6 +22,8 @@ SPEC_MECHANISMS: dict[str, str] = {
     "spec-fixed": "the bundled drafter, never retrained, on the fixed depth schedule (no depth tuner)",
     "spec-ngram": "speculative decoding in the tail with n-gram (prompt lookup) drafts and the depth tuner",
     "spec-siblings": "speculative decoding in the tail with drafts from the group's sibling responses and the depth tuner",
+    "spec-eagle": "speculative decoding in the tail with an EAGLE head (model = a `rollout-service build-eagle` "
+                  "directory), never retrained, and the depth tuner",
 }
 
 
