@@ -133,6 +133,8 @@ def cmd_build_eagle(args: argparse.Namespace) -> int:
 
 
 def _add_build_eagle(sub) -> None:
+    from rollout_service.drafter.build_eagle import BUILD_DEPTH, MAX_TOKENS  # no torch import at module level
+
     p = sub.add_parser("build-eagle", help="train an EAGLE-style drafter head for the bundled reasoner "
                                            "(or a target directory)",
                        description="Distill a one-layer EAGLE head (it drafts from the target's last hidden "
@@ -143,11 +145,13 @@ def _add_build_eagle(sub) -> None:
                                     "copies share its head)")
     p.add_argument("--samples", type=int, default=256, help="training responses sampled from the target")
     p.add_argument("--held-out", type=int, default=64, help="held-out responses the acceptance is measured on")
-    p.add_argument("--max-tokens", type=int, default=300, help="longest sampled response")
+    p.add_argument("--max-tokens", type=int, default=MAX_TOKENS,
+                   help="longest sampled response (default %(default)s: as long as the engines' longest, the head learns the positions it sees)")
     p.add_argument("--steps", type=int, default=600, help="optimizer steps (16 responses each)")
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--depth", type=int, help="draft depths trained (the head feeds itself depth-1 times; default 3, "
-                                             "as the online trainer)")
+    p.add_argument("--depth", type=int, default=BUILD_DEPTH,
+                   help="draft depths trained (the head feeds itself depth-1 times; default %(default)s, the deepest the "
+                        "tail schedules draft)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.set_defaults(fn=cmd_build_eagle)

@@ -5,7 +5,8 @@ a policy push through the embeddings it shares with the target, and is
 distilled online from the pushed policy.
 
 One service whose engine speculates with a head built for the module (a
-short build: 64 responses, 200 steps), one plain engine as the reference.
+short build: 64 responses, 200 steps at draft depths 1-3), one plain engine
+as the reference.
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def head_dir(tmp_path_factory) -> str:
     from rollout_service.drafter.build_eagle import build
 
     out = tmp_path_factory.mktemp("eagle")
-    summary = build(out, target=MODEL, samples=64, held_out=16, max_tokens=120, steps=200, threads=1)
+    summary = build(out, target=MODEL, samples=64, held_out=16, max_tokens=120, steps=200, depth=3, threads=1)
     assert summary["held_out_acceptance"]["greedy"] > 0.3, summary  # the build learnt something
     return str(out)
 
