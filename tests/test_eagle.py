@@ -41,6 +41,11 @@ def head_dir(tmp_path_factory) -> str:
     out = tmp_path_factory.mktemp("eagle")
     summary = build(out, target=MODEL, samples=64, held_out=16, max_tokens=120, steps=200, depth=3, threads=1)
     assert summary["held_out_acceptance"]["greedy"] > 0.3, summary  # the build learnt something
+    # The report by response position: responses of at most 120 tokens all fall in the first range, and no
+    # greedy draft is accepted more often than the policy's own argmax would be.
+    by_position = summary["held_out_acceptance"]["greedy_by_position"]
+    assert by_position["0-150"]["tokens"] > 100 and not any(v["tokens"] for k, v in by_position.items() if k != "0-150")
+    assert 0.3 < by_position["0-150"]["head"] <= by_position["0-150"]["policy_ceiling"] <= 1.0 + 1e-6
     return str(out)
 
 

@@ -320,16 +320,27 @@ def train_head(policy, examples, targets, lr: float, steps: int, depth: int = DE
     return head, time.perf_counter() - t0, losses
 
 
+#: Response-position ranges (first token, end) the held-out acceptance is
+#: also reported over: a head learns only the positions it was trained on,
+#: and the tail of a rollout step is made of late ones.
+POSITION_BUCKETS = (0, 150, 300, 450, 600, 1 << 20)
+
+
 def acceptance(head, policy, examples, targets, depth: int, max_len: int = MAX_LEN, pad: int = 0) -> dict:
     """Held-out acceptance per draft depth of the head's greedy drafts (the
     policy's probability of the head's argmax) and sampled drafts
-    (sum_x min(p, q)); depth d: the head has fed itself d-1 times."""
+    (sum_x min(p, q)); depth d: the head has fed itself d-1 times. Also the
+    greedy acceptance at depth 1 per response-position range
+    (`POSITION_BUCKETS`), with the policy's own probability of its argmax
+    there (what a perfect greedy drafter would get) and the token count."""
     import torch
 
     from rollout_service.drafter.drafter_trainer import _batch, dense_targets
 
     head.eval()
     greedy, sampled, count = np.zeros(depth), np.zeros(depth), np.zeros(depth)
+    edges = torch.tensor(POSITION_BUCKETS[1:-1])
+    by_pos = np.zeros((3, len(POSITION_BUCKETS) - 1))  # head's greedy, policy's ceiling, tokens
     with torch.no_grad():
         for i in range(0, len(examples), 16):
             input_ids, labels, mask = _batch(examples[i:i + 16], max_len, pad)
@@ -340,10 +351,20 @@ def acceptance(head, policy, examples, targets, depth: int, max_len: int = MAX_L
                 v = valid.clone()
                 v[:, : d + 1] = False
                 q = torch.softmax(draft_logits[:, :-1], -1)
-                greedy[d] += float(p.gather(-1, q.argmax(-1, keepdim=True)).squeeze(-1)[v].sum())
+                accepted = p.gather(-1, q.argmax(-1, keepdim=True)).squeeze(-1)
+                greedy[d] += float(accepted[v].sum())
                 sampled[d] += float(torch.minimum(p, q).sum(-1)[v].sum())
                 count[d] += float(v.sum())
+                if d == 0:
+                    position = valid.long().cumsum(1) - 1  # the predicted token's index in its response
+                    bucket = torch.bucketize(position[v], edges, right=True)
+                    for i, values in enumerate((accepted[v], p.max(-1).values[v], torch.ones_like(accepted[v]))):
+                        by_pos[i] += np.bincount(bucket.numpy(), weights=values.numpy(), minlength=by_pos.shape[1])
     head.train()
     count = np.maximum(count, 1)
+    tokens = np.maximum(by_pos[2], 1)
+    ranges = [f"{a}-{b}" if b < (1 << 20) else f"{a}-" for a, b in zip(POSITION_BUCKETS, POSITION_BUCKETS[1:])]
     return {"greedy": float(greedy[0] / count[0]), "sampled": float(sampled[0] / count[0]),
-            "greedy_by_depth": (greedy / count).tolist(), "sampled_by_depth": (sampled / count).tolist()}
+            "greedy_by_depth": (greedy / count).tolist(), "sampled_by_depth": (sampled / count).tolist(),
+            "greedy_by_position": {r: {"head": float(h / n), "policy_ceiling": float(c / n), "tokens": int(t)}
+                                   for r, h, c, n, t in zip(ranges, by_pos[0], by_pos[1], tokens, by_pos[2])}}
