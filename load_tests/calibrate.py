@@ -432,9 +432,12 @@ def calibrate_draft(args, model: str, vocab: int, max_len: int, batches: list[in
                           prompt_lookup_max=4, schedule=[[1, 1 << 16, 0]])
         what = "model-free drafts (n-gram prompt lookup)"
     else:
-        spec = SpecConfig(method="draft_model", model="" if args.draft == "bundled" else args.draft,
+        from rollout_service.drafter.eagle import is_head_dir
+
+        method = "eagle" if is_head_dir(args.draft) else "draft_model"
+        spec = SpecConfig(method=method, model="" if args.draft == "bundled" else args.draft,
                           num_speculative_tokens=args.spec_k, schedule=[[1, 1 << 16, 0]])
-        what = f"draft model {Path(spec.draft_model_path()).name}"
+        what = f"{'EAGLE head' if method == 'eagle' else 'draft model'} {Path(spec.draft_model_path()).name}"
     max_seqs = max(batches)
     print(f"speculation: {what}, K=0 and K={args.spec_k}; starting the engine...", flush=True)
     llm = LLM(model=model, dtype=args.dtype, enforce_eager=True, max_model_len=max_len, max_num_seqs=max_seqs,
@@ -742,7 +745,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="fewer, shorter measurements")
     ap.add_argument("--draft", default="", metavar="DIR|bundled|ngram",
-                    help="also calibrate speculation with this draft model ('bundled': the bundled drafter): "
+                    help="also calibrate speculation with this draft model or EAGLE head directory ('bundled': "
+                         "the bundled drafter): "
                          "a second engine measures steps at K=0 and K=--spec-k and the acceptance on the task's prompts; "
                          "'ngram': model-free drafts (n-gram, siblings), their verify steps' cost only")
     ap.add_argument("--spec-k", type=int, default=4,

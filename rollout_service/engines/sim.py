@@ -93,7 +93,7 @@ from rollout_service.engines.types import (
 )
 from rollout_service.engines.base import EngineError
 from rollout_service.engines.collective import GroupReceiver, TransferInit
-from rollout_service.engines.spec_config import DEFAULT_SCHEDULE, SpecConfig
+from rollout_service.engines.spec_config import DEFAULT_SCHEDULE, MODEL_METHODS, SpecConfig
 from rollout_service.engines.spec_monitor import SpecMonitor
 from rollout_service.engines.speculation import MonitoredSpeculation
 
@@ -561,9 +561,9 @@ class SimEngine:
         per_step_s = max(p.decode_floor_s, p.decode_base_s + p.decode_per_seq_s * n)
         k = self._monitor.k_for(n) if self._monitor.cfg.enabled else 0
         length, profile = 1.0, []
-        if k == 0 and p.spec_method == "draft_model":
-            # vLLM runs the drafter once per step even at K = 0 (its KV cache
-            # must follow the accepted tokens).
+        if k == 0 and p.spec_method in MODEL_METHODS:
+            # vLLM runs the drafter (or EAGLE head) once per step even at K = 0
+            # (its KV cache must follow the accepted tokens).
             per_step_s *= 1 + p.spec_draft_cost
         if k > 0:
             profile = p.acceptance_profile(k, self._version - self._draft_policy_version)
