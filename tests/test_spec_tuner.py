@@ -127,13 +127,17 @@ async def _generate(engine, n, length=200):
     return loop.time() - t0, out
 
 
-def test_sim_speculation_speeds_up_the_tail_only():
-    run_virtual(_test_sim_speculation_speeds_up_the_tail_only())
+@pytest.mark.parametrize("method", ["draft_model", "eagle"])
+def test_sim_speculation_speeds_up_the_tail_only(method):
+    """A simulated drafter (a draft model, or an EAGLE head: both run once per
+    step even at K=0 on vLLM) speeds up a lone sequence by its acceptance
+    and costs a full batch one draft pass per step."""
+    run_virtual(_test_sim_speculation_speeds_up_the_tail_only(method))
 
 
-async def _test_sim_speculation_speeds_up_the_tail_only():
+async def _test_sim_speculation_speeds_up_the_tail_only(method):
     plain = SimEngine("plain", _sim())
-    spec = SimEngine("spec", _sim(spec_method="draft_model", spec_max_k=4, spec_acceptance=0.8, spec_draft_cost=0.05,
+    spec = SimEngine("spec", _sim(spec_method=method, spec_max_k=4, spec_acceptance=0.8, spec_draft_cost=0.05,
                                   spec_schedule=[[1, 4, 4], [5, 64, 0]]))
     for e in (plain, spec):
         await e.start()

@@ -269,8 +269,9 @@ class SimEngine:
         self._tokens_per_s = 0.0
         self._run: _Run | None = None
         p = self.params
-        spec = SpecConfig(method=p.spec_method, num_speculative_tokens=p.spec_max_k,
-                          schedule=[list(e) for e in p.spec_schedule])
+        # The simulated drafter is the cost model (spec_acceptance, spec_draft_cost): an EAGLE head has no directory here.
+        spec = SpecConfig(method=p.spec_method, model="(simulated head)" if p.spec_method == "eagle" else "",
+                          num_speculative_tokens=p.spec_max_k, schedule=[list(e) for e in p.spec_schedule])
         spec.validate()
         self._monitor = SpecMonitor(spec, p.max_seqs)
         self.speculation: SimSpeculation | None = SimSpeculation(self, self._monitor) if spec.enabled else None
