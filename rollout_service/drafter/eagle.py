@@ -358,8 +358,8 @@ def acceptance(head, policy, examples, targets, depth: int, max_len: int = MAX_L
                 if d == 0:
                     position = valid.long().cumsum(1) - 1  # the predicted token's index in its response
                     bucket = torch.bucketize(position[v], edges, right=True)
-                    for i, values in enumerate((accepted[v], p.max(-1).values[v], torch.ones_like(accepted[v]))):
-                        by_pos[i] += np.bincount(bucket.numpy(), weights=values.numpy(), minlength=by_pos.shape[1])
+                    for row, values in enumerate((accepted[v], p.max(-1).values[v], torch.ones_like(accepted[v]))):
+                        by_pos[row] += np.bincount(bucket.numpy(), weights=values.numpy(), minlength=by_pos.shape[1])
     head.train()
     count = np.maximum(count, 1)
     tokens = np.maximum(by_pos[2], 1)
