@@ -41,7 +41,7 @@ MAX_TOKENS = 900
 
 
 def build(out: str | Path, target: str | Path | None = None, samples: int = 256, held_out: int = 64,
-          max_tokens: int = MAX_TOKENS, steps: int = 600, lr: float = 1e-3, depth: int | None = None, seed: int = 0,
+          max_tokens: int = MAX_TOKENS, steps: int = 600, lr: float = 1e-3, depth: int = BUILD_DEPTH, seed: int = 0,
           threads: int = 0) -> dict:
     """Train and write a head; returns the summary written to DIR/eagle.json."""
     import torch
@@ -51,7 +51,6 @@ def build(out: str | Path, target: str | Path | None = None, samples: int = 256,
     from rollout_service.drafter import drafter_trainer, eagle
     from rollout_service.tasks import generate_problems, prompt_token_ids
 
-    depth = BUILD_DEPTH if depth is None else depth
     for flag, value in (("--samples", samples), ("--held-out", held_out), ("--steps", steps), ("--depth", depth),
                         ("--max-tokens", max_tokens)):
         if value < 1:
