@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import os
 import signal
 import time
@@ -211,6 +212,21 @@ async def test_fast_path_push_from_a_file(vclient):
     again = await _greedy(vclient)
     assert [t for t, _ in again] == [t for t, _ in original]
     assert all(v == start + 3 for _, v in again)
+
+
+async def test_each_engine_reports_where_its_weight_reload_went(vllm_service, vclient, caplog):
+    caplog.set_level(logging.INFO, logger="rollout_service.engines.vllm")
+    start = (await vclient.status()).policy_version
+    await vclient.push_weights_file(os.path.join(MODEL, "model.safetensors"), version=start + 1)
+    tensors = len(_weights())
+    engines = list(vllm_service.core.engines.values())
+    for engine in engines:
+        report = engine.last_reload
+        assert report["tensors"] == tensors
+        assert report["pid"] != os.getpid()  # measured in the engine's worker process
+        assert 0 < report["read_s"] <= report["wall_s"] and report["cpu_s"] > 0
+    lines = [m for m in caplog.messages if f"reloaded {tensors} tensors in" in m]
+    assert {m.split()[0] for m in lines} >= {e.engine_id for e in engines}
 
 
 async def test_killed_engine_loses_no_sample_and_comes_back(vllm_service, vclient):

@@ -56,6 +56,10 @@ from rollout_service.engines.vllm_speculation import VllmSpeculation, spec_count
 
 log = logging.getLogger(__name__)
 
+# An in-place reload whose wall time exceeds its CPU time by this much is
+# logged as a warning: it waited for a core, the disk or memory.
+SLOW_RELOAD_WAIT_S = 2.0
+
 STAGED_POLL_S = 0.02  # how often a staged receive's progress is read
 _SPAWN_LOCK = threading.Lock()  # engines spawn one at a time (they share os.environ)
 
@@ -196,6 +200,7 @@ class VllmEngine:
         # "direct": loaded as it arrives, generation paused for the transfer.
         self.collective_receive = collective_receive
         self.paused_s = 0.0  # how long generation was paused to apply the last weight push
+        self.last_reload: dict | None = None  # the last in-place reload's report (`_note_reload`)
         self._paused_at = 0.0
         self.restarts = 0
         self.update_timeout_s = 120.0  # bound on each step of a weight update
@@ -494,13 +499,29 @@ class VllmEngine:
             self._paused_at = time.monotonic()
             await asyncio.wait_for(self._llm.pause_generation(mode="keep", clear_cache=False), timeout)
             try:
-                await asyncio.wait_for(self._llm.collective_rpc("rollout_reload_weights", args=(path,)), timeout)
+                self._note_reload(await asyncio.wait_for(
+                    self._llm.collective_rpc("rollout_reload_weights", args=(path,)), timeout))
                 await asyncio.wait_for(self._llm.update_weight_version(str(version)), timeout)
                 self._version = version
             finally:
                 await asyncio.wait_for(self._llm.resume_generation(), timeout)
                 self.paused_s = time.monotonic() - self._paused_at
                 self._state = EngineState.READY
+
+    def _note_reload(self, reports) -> None:
+        """Log each worker's in-place reload (`vllm_worker.reload_report`):
+        a warning where it spent seconds waiting rather than computing."""
+        for r in reports or []:
+            if not isinstance(r, Mapping):
+                continue
+            self.last_reload = dict(r)
+            waited = r["wall_s"] - r["cpu_s"]
+            slow = waited > SLOW_RELOAD_WAIT_S
+            (log.warning if slow else log.info)(
+                "%s reloaded %d tensors in %.2f s (worker pid %s: CPU %.2f s, reading the file %.2f s, "
+                "%d page faults from disk, preempted %d times)%s", self.engine_id, r["tensors"], r["wall_s"],
+                r["pid"], r["cpu_s"], r["read_s"], r["major_faults"], r["involuntary_switches"],
+                f"; it waited {waited:.1f} s for a core, the disk or memory" if slow else "")
 
     # -- collective weight transfer (vLLM's weight-transfer API) -----------------
 
@@ -623,7 +644,8 @@ class VllmEngine:
             paths = [await fallback.as_file()] if fallback is not None else \
                 [str(p) for p in sorted(Path(self.model).glob("*.safetensors"))]
             for path in paths:
-                await asyncio.wait_for(self._llm.collective_rpc("rollout_reload_weights", args=(path,)), timeout)
+                self._note_reload(await asyncio.wait_for(
+                    self._llm.collective_rpc("rollout_reload_weights", args=(path,)), timeout))
             self._version = version
             await asyncio.wait_for(self._llm.update_weight_version(str(version)), timeout)
         except Exception as exc:

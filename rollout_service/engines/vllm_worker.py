@@ -6,6 +6,10 @@ staged safetensors file keeps the weights out of vLLM's RPC messages.
 """
 from __future__ import annotations
 
+import os
+import resource
+import time
+
 
 def _iter_safetensors(path: str):
     from safetensors import safe_open
@@ -13,6 +17,23 @@ def _iter_safetensors(path: str):
     with safe_open(path, framework="pt", device="cpu") as f:
         for name in f.keys():
             yield name, f.get_tensor(name)
+
+
+def _usage() -> tuple[float, float, resource.struct_rusage]:
+    """(wall clock, this process's CPU seconds, its resource usage)."""
+    return time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF)
+
+
+def reload_report(start, end, **extra) -> dict:
+    """Where a reload's wall time went: the process's CPU seconds, page
+    faults that read from disk, and how often it was preempted. A reload
+    whose wall time is far above its CPU time waited: for a core, for
+    the disk, or for memory."""
+    (w0, c0, u0), (w1, c1, u1) = start, end
+    return {"pid": os.getpid(), "wall_s": w1 - w0, "cpu_s": c1 - c0,
+            "major_faults": u1.ru_majflt - u0.ru_majflt,
+            "involuntary_switches": u1.ru_nivcsw - u0.ru_nivcsw,
+            "voluntary_switches": u1.ru_nvcsw - u0.ru_nvcsw, **extra}
 
 
 def _tied_modules(model) -> list:
@@ -34,22 +55,30 @@ def _tied_modules(model) -> list:
 
 
 class RolloutWorkerExtension:
-    def rollout_reload_weights(self, path: str) -> int:
+    def rollout_reload_weights(self, path: str) -> dict:
         """Reload the target model's weights in place from a safetensors file
-        in checkpoint (Hugging Face) format; returns the tensor count.
+        in checkpoint (Hugging Face) format; returns where the time went
+        (`reload_report`).
 
         On the CPU backend a layer keeps a repacked copy of its weight for its
         kernels; an in-place reload refreshes it once per module, which leaves
         the second user of a tied weight (the lm_head of a model with tied
         embeddings) on the old copy. Those modules are repacked again here."""
-        count = 0
+        count, read_s = 0, 0.0
 
         def counted():
-            nonlocal count
-            for item in _iter_safetensors(path):
+            nonlocal count, read_s
+            items = _iter_safetensors(path)
+            while True:
+                t = time.perf_counter()
+                item = next(items, None)
+                read_s += time.perf_counter() - t
+                if item is None:
+                    return
                 count += 1
                 yield item
 
+        start = _usage()
         model = self.model_runner.get_model()
         tied = _tied_modules(model)
         self.model_runner.reload_weights(weights_iterator=counted())
@@ -57,7 +86,7 @@ class RolloutWorkerExtension:
             method = getattr(module, "quant_method", None)
             if method is not None and hasattr(method, "process_weights_after_loading"):
                 method.process_weights_after_loading(module)
-        return count
+        return reload_report(start, _usage(), tensors=count, read_s=read_s)
 
     def rollout_reload_draft_weights(self, path: str) -> int:
         """Reload the draft model's weights in place from a safetensors file
@@ -114,8 +143,6 @@ class RolloutWorkerExtension:
     def rollout_spec_sampler_patched(self) -> tuple[int, bool, str]:
         """(pid, whether this worker runs the exact rejection-sampler
         expansion of `vllm_plugin`, why not if it does not)."""
-        import os
-
         from rollout_service.engines.vllm_plugin import sampler_status
 
         patched, reason = sampler_status()
