@@ -200,11 +200,16 @@ def decode_tokens(quick: bool) -> tuple[int, int]:
 
 def schedule(batches: list[int], max_len: int, quick: bool) -> tuple[list[tuple[int, int]], list[int]]:
     """What a calibration measures: the decode shapes (batch, prompt
-    length), short prompts at every batch and long ones at 16 and the
-    largest, and the prompt lengths of the prefill measurements."""
+    length), short prompts at every batch, long ones at 16 and the
+    largest, and (unless quick) a rollout tail's shape: 1 and 4 sequences
+    deep into long responses; and the prompt lengths of the prefill
+    measurements."""
     t2 = decode_tokens(quick)[1]
     prompt_long = min(448, max_len - t2 - 8)
+    prompt_tail = min(TAIL_PROMPT, max_len - t2 - 8)
     shapes = [(b, 16) for b in batches] + [(16, prompt_long), (max(batches), prompt_long)]
+    if not quick and prompt_tail > prompt_long:
+        shapes += [(1, prompt_tail), (FLOOR_BATCH, prompt_tail)]
     lengths = [32, 128, 256, 512, min(896, max_len - 8)]
     return shapes, lengths[:3] if quick else lengths
 
@@ -322,6 +327,7 @@ def _lstsq_dropping_negatives(cols: dict[str, np.ndarray], y: np.ndarray, keep: 
 
 
 FLOOR_BATCH = 4  # steps at this batch and below, short prompts: the memory-bound floor
+TAIL_PROMPT = 768  # the context a rollout's tail decodes at (tiny-reasoner responses run to ~900 tokens)
 
 
 def fit(m: dict) -> dict:
@@ -334,22 +340,27 @@ def fit(m: dict) -> dict:
 
     with the floor the median step at batches <= FLOOR_BATCH (short
     prompts) and the linear terms fitted to the steps above 1.1x the floor.
+    A step at those batches with a long context (a rollout's tail) is the
+    floor plus its context's cost, and it is fitted as such.
     With fewer than three of those the linear terms are fitted to every step
     and there is no floor."""
     d = m["decode"]
     short = min(x["prompt"] for x in d)
     small = [x["step_s"] for x in d if x["batch"] <= FLOOR_BATCH and x["prompt"] == short]
     floor = float(statistics.median(small)) if small else 0.0
-    rows = [x for x in d if x["step_s"] > 1.1 * floor]
+    on_floor = [x for x in d if x["batch"] <= FLOOR_BATCH and x["prompt"] > short] if floor else []
+    rows = [x for x in d if x["step_s"] > 1.1 * floor and x["batch"] > FLOOR_BATCH]
     if len(rows) < 3 or floor == 0.0:
-        rows, floor = d, 0.0
+        rows, floor, on_floor = d, 0.0, []
 
-    def columns(xs):
-        return {"decode_base_s": np.ones(len(xs)),
-                "decode_per_seq_s": np.array([x["batch"] for x in xs], float),
+    def columns(xs, flat=()):
+        flat = {id(x) for x in flat}  # on the floor: no linear terms
+        return {"decode_base_s": np.array([0.0 if id(x) in flat else 1.0 for x in xs]),
+                "decode_per_seq_s": np.array([0.0 if id(x) in flat else x["batch"] for x in xs], float),
                 "decode_per_ctx_token_s": np.array([x["context_tokens"] for x in xs], float)}
 
-    params = _lstsq_dropping_negatives(columns(rows), np.array([x["step_s"] for x in rows]), keep={"decode_base_s"})
+    y = np.array([x["step_s"] for x in rows] + [x["step_s"] - floor for x in on_floor])
+    params = _lstsq_dropping_negatives(columns(rows + on_floor, on_floor), y, keep={"decode_base_s"})
     params["decode_floor_s"] = floor
     cols = columns(d)
     y = np.array([x["step_s"] for x in d])

@@ -183,9 +183,9 @@ def test_the_calibration_fits_a_memory_bound_floor_and_the_simulated_tail_pays_i
 
     floor, base, per_seq, ctx = 0.045, 0.030, 0.0026, 1e-6
 
-    def step(b, p):
+    def step(b, p, per_ctx=ctx):
         c = b * (p + 72)
-        return {"batch": b, "prompt": p, "context_tokens": c, "step_s": max(floor, base + per_seq * b) + ctx * c}
+        return {"batch": b, "prompt": p, "context_tokens": c, "step_s": max(floor, base + per_seq * b) + per_ctx * c}
 
     m = {"decode": [step(b, 16) for b in (1, 2, 4, 16, 64)] + [step(16, 448), step(64, 448)],
          "prefill": [{"prompt": 32, "time_s": 0.1}, {"prompt": 128, "time_s": 0.4}]}
@@ -194,6 +194,16 @@ def test_the_calibration_fits_a_memory_bound_floor_and_the_simulated_tail_pays_i
     assert sim["decode_floor_s"] == pytest.approx(floor + ctx * 88, rel=0.05)
     assert sim["decode_base_s"] == pytest.approx(base, rel=1e-6) and sim["decode_per_seq_s"] == pytest.approx(per_seq, rel=1e-6)
     assert got["max_relative_error"] < 0.05
+    # A tail's shape (1 and 4 sequences at long contexts, the floor plus their
+    # context) is fitted as the floor plus the context's cost, not as a batch
+    # above the floor: the linear terms stay, and the context's cost is found.
+    # (At 4 us a context token, as measured on the padded target, 4 sequences
+    # of 840 tokens step 30% above the floor.)
+    shapes = [(b, 16) for b in (1, 2, 4, 16, 64)] + [(16, 448), (64, 448), (1, 768), (4, 768)]
+    tail = fit({**m, "decode": [step(b, p, per_ctx=4e-6) for b, p in shapes]})
+    assert tail["sim_params"]["decode_per_ctx_token_s"] == pytest.approx(4e-6, rel=0.05)
+    assert tail["sim_params"]["decode_base_s"] == pytest.approx(base, rel=0.05)
+    assert tail["max_relative_error"] < 0.05
     makespans = {}
     for name, params in (("floor", sim), ("linear", {**sim, "decode_floor_s": 0.0})):
         (tmp_path / f"{name}.json").write_text(json.dumps({"sim_params": params}))
