@@ -297,7 +297,7 @@ def plot(out: dict, path: Path) -> None:
     vs = [r["policy_version"] for r in out["versions"]]
     fig, ax = plt.subplots(figsize=(7, 4))
     for name in out["config"]["drafters"]:
-        style = STYLE[_teacher(name)].replace("-", ":") if "@" in name else STYLE[name]
+        style = STYLE[_teacher(name)][0] + ":" if "@" in name else STYLE[name]  # a drafter of its own: dotted
         ax.plot(vs, [r[name]["mean_acceptance_length"] for r in out["versions"]], style, label=_label(name))
     ax.set_xlabel("policy version")
     ax.set_ylabel("mean acceptance length (tokens / verify step)")

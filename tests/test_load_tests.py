@@ -767,6 +767,28 @@ def test_the_adaptation_curve_refuses_an_eagle_head_taught_by_samples(tmp_path, 
         in capsys.readouterr().err
 
 
+def test_the_adaptation_curve_plots_every_kind_of_drafter_side_by_side(tmp_path):
+    """The bundled drafters, drafters of their own (`TEACHER@DIR`) and an
+    EAGLE head are plotted on one figure, each line labelled."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("matplotlib")
+    from transformers import AutoModelForCausalLM
+
+    from load_tests.drafter_adaptation import plot
+    from rollout_service.assets import tiny_draft_path, tiny_model_path
+    from rollout_service.drafter import eagle
+
+    policy = AutoModelForCausalLM.from_pretrained(str(tiny_model_path()), dtype=torch.float32)
+    head = str(eagle.save(eagle.for_policy(policy), tmp_path / "head"))
+    own = str(tiny_draft_path())
+    drafters = ["frozen", "samples", "policy", f"frozen@{own}", f"samples@{own}", f"frozen@{head}", f"policy@{head}"]
+    out = {"config": {"drafters": drafters, "k": 5, "draft_sampling": "greedy", "drift": "rft"},
+           "versions": [{"policy_version": v, **{d: {"mean_acceptance_length": 4.0 - 0.3 * v - 0.1 * i}
+                                                 for i, d in enumerate(drafters)}} for v in range(3)]}
+    plot(out, tmp_path / "curve.png")
+    assert (tmp_path / "curve.png").stat().st_size > 10_000
+
+
 def test_the_spec_tail_benchmark_refuses_an_eagle_route_without_a_head(tmp_path, capsys):
     """`spec_tail --routes eagle` needs `--eagle DIR` holding a head; without
     one, with a directory that is not a head, or with an unknown route, it is
