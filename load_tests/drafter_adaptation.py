@@ -301,7 +301,8 @@ def plot(out: dict, path: Path) -> None:
         ax.plot(vs, [r[name]["mean_acceptance_length"] for r in out["versions"]], style, label=_label(name))
     ax.set_xlabel("policy version")
     ax.set_ylabel("mean acceptance length (tokens / verify step)")
-    ax.set_title(f"online drafters vs the bundled one (K={out['config'].get('k', 3)}, {out['config']['draft_sampling']} drafts, "
+    ax.set_xticks(vs)
+    ax.set_title(f"drafters as the policy drifts (K={out['config'].get('k', 3)}, {out['config']['draft_sampling']} drafts, "
                  f"drift: {out['config']['drift']})")
     ax.legend()
     ax.grid(alpha=0.3)
