@@ -353,14 +353,16 @@ def fit(m: dict) -> dict:
     if len(rows) < 3 or floor == 0.0:
         rows, floor, on_floor = d, 0.0, []
 
-    def columns(xs, flat=()):
-        flat = {id(x) for x in flat}  # on the floor: no linear terms
-        return {"decode_base_s": np.array([0.0 if id(x) in flat else 1.0 for x in xs]),
-                "decode_per_seq_s": np.array([0.0 if id(x) in flat else x["batch"] for x in xs], float),
+    def columns(xs, linear: float = 1.0):
+        """The fit's columns; `linear` 0 for steps on the floor (their context's cost alone)."""
+        return {"decode_base_s": np.full(len(xs), linear),
+                "decode_per_seq_s": linear * np.array([x["batch"] for x in xs], float),
                 "decode_per_ctx_token_s": np.array([x["context_tokens"] for x in xs], float)}
 
+    above, flat = columns(rows), columns(on_floor, linear=0.0)
     y = np.array([x["step_s"] for x in rows] + [x["step_s"] - floor for x in on_floor])
-    params = _lstsq_dropping_negatives(columns(rows + on_floor, on_floor), y, keep={"decode_base_s"})
+    params = _lstsq_dropping_negatives({c: np.concatenate([above[c], flat[c]]) for c in above}, y,
+                                       keep={"decode_base_s"})
     params["decode_floor_s"] = floor
     cols = columns(d)
     y = np.array([x["step_s"] for x in d])

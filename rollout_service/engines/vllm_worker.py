@@ -54,6 +54,15 @@ def _tied_modules(model) -> list:
     return tied
 
 
+def _repack(modules) -> None:
+    """Refresh the kernel copies (CPU repacking) of modules an in-place
+    reload processed under one name only (`_tied_modules`)."""
+    for module in modules:
+        method = getattr(module, "quant_method", None)
+        if method is not None and hasattr(method, "process_weights_after_loading"):
+            method.process_weights_after_loading(module)
+
+
 class RolloutWorkerExtension:
     def rollout_reload_weights(self, path: str) -> dict:
         """Reload the target model's weights in place from a safetensors file
@@ -68,24 +77,19 @@ class RolloutWorkerExtension:
 
         def counted():
             nonlocal count, read_s
-            items = _iter_safetensors(path)
-            while True:
-                t = time.perf_counter()
-                item = next(items, None)
+            t = time.perf_counter()
+            for item in _iter_safetensors(path):
                 read_s += time.perf_counter() - t
-                if item is None:
-                    return
                 count += 1
                 yield item
+                t = time.perf_counter()
+            read_s += time.perf_counter() - t  # closing the file
 
         start = _usage()
         model = self.model_runner.get_model()
         tied = _tied_modules(model)
         self.model_runner.reload_weights(weights_iterator=counted())
-        for module in tied:
-            method = getattr(module, "quant_method", None)
-            if method is not None and hasattr(method, "process_weights_after_loading"):
-                method.process_weights_after_loading(module)
+        _repack(tied)
         return reload_report(start, _usage(), tensors=count, read_s=read_s)
 
     def rollout_reload_draft_weights(self, path: str) -> int:
@@ -102,10 +106,7 @@ class RolloutWorkerExtension:
         items = list(_iter_safetensors(path))
         reload_weights(self.vllm_config, model, weights_iterator=iter(items), weights_path=None,
                        is_checkpoint_format=True)
-        for module in tied:
-            method = getattr(module, "quant_method", None)
-            if method is not None and hasattr(method, "process_weights_after_loading"):
-                method.process_weights_after_loading(module)
+        _repack(tied)
         return len(items)
 
     # -- staged collective receive (vllm_transfer.GlooWeightTransferEngine) --------
