@@ -19,8 +19,9 @@ import json
 import sys
 from pathlib import Path
 
-from load_tests.report import write_measured, markdown_speedup_table, markdown_table, plot, table, write_json
-from load_tests.runner import RunConfig, run_policy
+from load_tests.report import (markdown_speedup_table, markdown_table, plot, pooled, pooled_table, table,
+                               write_json, write_measured)
+from load_tests.runner import RunConfig, check_passes, run_passes
 from load_tests.workloads import WORKLOADS, load_workload
 from rollout_service.engines.sim import SimParams
 from load_tests.policies import parse_policies
@@ -58,6 +59,10 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--warmup-steps", type=int, default=0,
                    help="closed loop: run the workload's first N steps once on each fresh fleet, unmeasured and "
                         "without a weight push, before the measured steps (a fresh engine's first batches are slower)")
+    r.add_argument("--passes", type=int, choices=[1, 2], default=1,
+                   help="closed loop: 2 runs each policy twice on fresh fleets, the first half of the steps in the "
+                        "order given and the second half in reverse (A B C C B A), so that a host whose speed "
+                        "drifts during the run weighs on every policy alike; a second table pools the passes")
     r.add_argument("--length-scale", type=float, default=1.0, help="multiply prompt and response lengths")
     r.add_argument("--mode", choices=["closed", "open"], default="closed", help="closed loop (RL steps) or open loop")
     r.add_argument("--rate", type=float, default=0.0, help="open loop: groups per second")
@@ -163,17 +168,22 @@ def run_one(args, workload_name: str, engines: int, out: Path | None) -> dict:
           f"max {d['output_max']} tokens; {engines} {args.engine} engines x {args.max_seqs} seqs, "
           f"{args.clock} clock, {args.mode} loop"
           + (f", trainer stand-in {args.train_s:g} s per step" if args.train_s > 0 else ""), flush=True)
-    results = []
-    for policy in policies:
-        results.append(run_policy(cfg, policy))
+    try:
+        check_passes(cfg, args.passes)
+    except ValueError as exc:
+        raise SystemExit(f"--passes: {exc}")
+    results = run_passes(cfg, policies, args.passes)
     print(table(results), flush=True)
+    if args.passes > 1:
+        print(pooled_table(pooled([r.summary for r in results])), flush=True)
     config = {
         "command": " ".join(["python -m load_tests", *sys.argv[1:]]),
         "workload": workload_name, "engines": engines, "clock": args.clock, "engine": args.engine,
         "max_seqs": args.max_seqs, "kv_tokens": args.kv_tokens, "length_scale": workload.length_scale,
         "steps": len(workload.steps), "groups_per_step": workload.groups_per_step, "seed": args.seed,
         "mode": args.mode, "rate": args.rate, "need_groups": args.need_groups, "quick": args.quick,
-        "sim": cfg.sim, "cost_model_file": args.cost_model, "policies": [p.name for p in policies],
+        "sim": cfg.sim, "cost_model_file": args.cost_model, "policies": [r.policy for r in results],
+        "passes": args.passes,
         "model": args.model, "max_tokens": workload.max_tokens, "over_provision": args.over_provision,
         "max_version_lag": args.max_version_lag, "train_s": args.train_s, "warmup_steps": args.warmup_steps,
         "spec": cfg.spec,

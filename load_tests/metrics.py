@@ -286,6 +286,37 @@ class Counters:
         )
 
 
+def host_cpu() -> list[int] | None:
+    """The host's CPU time so far, in clock ticks summed over its CPUs, from
+    /proc/stat: user, nice, system, idle, iowait, irq, softirq, steal
+    (None where there is no /proc/stat)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    ticks = [int(x) for x in fields[1:9]]
+    return ticks + [0] * (8 - len(ticks))
+
+
+def host_cpu_share(start: list[int] | None, end: list[int] | None) -> dict | None:
+    """Between two `host_cpu` readings: the fractions of the CPUs' time that
+    went to work (`busy`), was left idle, and was stolen by the hypervisor
+    for other guests (`steal`: a virtual machine whose speed drifts often
+    shows it here)."""
+    if start is None or end is None:
+        return None
+    d = [b - a for a, b in zip(start, end)]
+    total = sum(d)
+    if total <= 0:
+        return None
+    user, nice, system, idle, iowait, irq, softirq, steal = d[:8]
+    return {"busy": (user + nice + system + irq + softirq) / total, "idle": (idle + iowait) / total,
+            "steal": steal / total}
+
+
 def _fraction(x: float) -> float:
     # Rounding in the virtual clock can put a fully busy engine a hair above 1.
     return 1.0 if 1.0 < x < 1.0 + 1e-9 else x

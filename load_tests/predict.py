@@ -32,8 +32,8 @@ from pathlib import Path
 import numpy as np
 
 from load_tests.policies import parse_policy
-from load_tests.report import measured_dir
-from load_tests.runner import RunConfig, run_policy
+from load_tests.report import measured_dir, pooled
+from load_tests.runner import RunConfig, base_policy, run_policy
 from load_tests.workloads import polytrace
 
 # A verified draft token costs one more sequence of the calibrated batch.
@@ -42,13 +42,17 @@ FIGURES = [("makespan_s", "makespan s"), ("step_time_s", "RL step s"), ("groups_
 
 
 def predict(report_dir: Path, sim: dict, progress: bool = False) -> list[dict]:
-    """One row per policy of the measured run: its figures, measured and predicted."""
+    """One row per policy of the measured run: its figures, measured and
+    predicted. A two-pass run (`run --passes 2`) has a row per pass
+    (`POLICY#1`, `POLICY#2`, each replayed on a fresh simulated fleet as it
+    ran) and then one per policy, both passes pooled on each side."""
     sim = {**VERIFY_COST, **sim}
     doc = json.loads((report_dir / "report.json").read_text())
     cfg = doc["config"]
     if cfg.get("clock") != "real":
         raise ValueError(f"{report_dir}: a run in virtual time; predict replays runs in real time (real engines)")
     rows = []
+    summaries: dict[str, list[dict]] = {"measured": [], "predicted": []}
     for policy in cfg["policies"]:
         trace = measured_dir(report_dir, policy)
         if not trace.is_dir():
@@ -61,8 +65,10 @@ def predict(report_dir: Path, sim: dict, progress: bool = False) -> list[dict]:
                         need_groups=cfg.get("need_groups"), progress=progress,
                         over_provision=cfg.get("over_provision", 2.0), max_version_lag=cfg.get("max_version_lag", 1),
                         train_s=cfg.get("train_s", 0.0), spec=dict(cfg.get("spec") or {}))  # the run's `--spec`
-        result = run_policy(run, parse_policy(policy))
+        result = run_policy(run, parse_policy(base_policy(policy)))
         predicted = result.summary
+        summaries["measured"].append({**measured, "policy": policy})
+        summaries["predicted"].append({**predicted, "policy": policy})
         row = {"policy": policy, "weight_push_s": push_s}
         for key, _ in FIGURES:
             m, p = float(measured.get(key, 0.0)), float(predicted.get(key, 0.0))
@@ -70,6 +76,15 @@ def predict(report_dir: Path, sim: dict, progress: bool = False) -> list[dict]:
         row["step_makespans_s"] = {"measured": [float(s["makespan_s"]) for s in measured.get("per_step", [])],
                                    "predicted": [float(s["makespan_s"]) for s in result.steps]}
         rows.append(row)
+    if any(base_policy(p) != p for p in cfg["policies"]):
+        sides = {side: pooled(ss) for side, ss in summaries.items()}
+        for policy, measured in sides["measured"].items():
+            predicted = sides["predicted"][policy]
+            row = {"policy": policy, "pooled": True}
+            for key, _ in FIGURES:
+                m, p = measured[key], predicted[key]
+                row[key] = {"measured": m, "predicted": p, "error": (p / m - 1.0) if m else None}
+            rows.append(row)
     return rows
 
 
@@ -80,6 +95,7 @@ def plot(rows: list[dict], out: Path, title: str = "") -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = [r for r in rows if "step_makespans_s" in r]  # pooled rows have no steps of their own
     fig, axes = plt.subplots(1, len(rows), figsize=(4.2 * len(rows), 3.4), sharey=True, squeeze=False)
     for ax, r in zip(axes[0], rows):
         steps = r["step_makespans_s"]
@@ -111,5 +127,6 @@ def markdown(rows: list[dict]) -> str:
             f = r[key]
             err = f"{f['error']:+.1%}" if f["error"] is not None else "-"
             cells += [f"{f['measured']:.3f}", f"{f['predicted']:.3f}", err]
-        lines.append(f"| {r['policy']} | " + " | ".join(cells) + " |")
+        name = f"{r['policy']} (passes pooled)" if r.get("pooled") else r["policy"]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

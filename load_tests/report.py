@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from load_tests.runner import RunResult
+from load_tests.runner import RunResult, base_policy
 from load_tests.workloads import Workload
 
 SCHEMA_VERSION = 1
@@ -43,6 +43,8 @@ def write_json(out: Path, config: dict, workload: Workload, results: list[RunRes
         "workload": workload.describe(),
         "results": {r.policy: {**r.summary, "per_step": r.steps} for r in results},
     }
+    if any(base_policy(r.policy) != r.policy for r in results):
+        doc["pooled"] = pooled([r.summary for r in results])
     path = out / "report.json"
     path.write_text(json.dumps(doc, indent=2, default=float))
     return path
@@ -71,7 +73,8 @@ def write_measured(out: Path, results: list[RunResult]) -> Path:
 
 def table(results: list[RunResult]) -> str:
     """A fixed-width table of the headline figures."""
-    head = (f"{'policy':<22} {'makespan s':>11} {'bound s':>9} {'x bound':>8} {'tokens/s':>10} "
+    width = max([22] + [len(r.policy) for r in results])
+    head = (f"{'policy':<{width}} {'makespan s':>11} {'bound s':>9} {'x bound':>8} {'tokens/s':>10} "
             f"{'groups/s':>9} {'slots':>6} {'busy':>6} {'p99 lat s':>10} {'delivered':>10} {'wall s':>7}")
     if results and results[0].summary.get("multi_turn"):
         return multi_turn_table(results)
@@ -87,7 +90,7 @@ def table(results: list[RunResult]) -> str:
         ratio = f"{s['ratio_to_bound']:.2f}" if s["ratio_to_bound"] else "-"
         delivered = s.get("samples_delivered_with_drain", s["samples_delivered"])
         line = (
-            f"{r.policy:<22} {s['makespan_s']:>11.2f} {s['lower_bound_s']:>9.2f} {ratio:>8} "
+            f"{r.policy:<{width}} {s['makespan_s']:>11.2f} {s['lower_bound_s']:>9.2f} {ratio:>8} "
             f"{s['tokens_per_s']:>10.0f} {s['groups_per_s']:>9.2f} {s['slot_utilisation']:>6.3f} "
             f"{s['busy_fraction']:>6.3f} {s['latency_p99_s']:>10.2f} "
             f"{delivered:>5}/{s['samples_submitted']:<4} {s['wall_s']:>7.1f}"
@@ -97,6 +100,58 @@ def table(results: list[RunResult]) -> str:
             line += (f" {s['step_time_s']:>7.2f} {g:>13.3f} {g / first if first else 0:>7.2f}x "
                      f"{s['max_trained_lag']:>6} {s['tokens_masked_stale']:>13}")
         lines.append(line)
+    return "\n".join(lines)
+
+
+def pool(summaries: list[dict]) -> dict:
+    """One policy's figures over the runs it made (the passes of a two-pass
+    run), as if its steps had been one run: step means weighted by steps,
+    groups per second of the trainer's loop over all its step time."""
+    steps = [s["steps"] for s in summaries]
+    n = sum(steps)
+    cycle = sum(s["step_time_s"] * k for s, k in zip(summaries, steps))
+    span = sum(s["makespan_s"] * k for s, k in zip(summaries, steps))
+    groups = sum(s["groups_per_s_with_trainer"] * s["step_time_s"] * k for s, k in zip(summaries, steps))
+    out = {
+        "steps": n,
+        "makespan_s": span / n if n else 0.0,
+        "step_time_s": cycle / n if n else 0.0,
+        "groups_per_s_with_trainer": groups / cycle if cycle else 0.0,
+        "makespan_s_per_run": [s["makespan_s"] for s in summaries],
+    }
+    if all("tokens" in s for s in summaries):
+        out["tokens_per_s"] = sum(s["tokens"] for s in summaries) / span if span else 0.0
+    if all("samples_submitted" in s for s in summaries):
+        out["samples_submitted"] = sum(s["samples_submitted"] for s in summaries)
+        out["samples_delivered"] = sum(s.get("samples_delivered_with_drain", s["samples_delivered"]) for s in summaries)
+    if all("max_trained_lag" in s for s in summaries):
+        out["max_trained_lag"] = max(s["max_trained_lag"] for s in summaries)
+        out["tokens_masked_stale"] = sum(s["tokens_masked_stale"] for s in summaries)
+    return out
+
+
+def pooled(summaries: list[dict]) -> dict[str, dict]:
+    """Per policy (in the order first run), its results pooled: `pool` over
+    `POLICY#1`, `POLICY#2`."""
+    runs: dict[str, list[dict]] = {}
+    for s in summaries:
+        runs.setdefault(base_policy(s["policy"]), []).append(s)
+    return {name: pool(ss) for name, ss in runs.items()}
+
+
+def pooled_table(rows: dict[str, dict]) -> str:
+    """The policies' pooled figures, each against the first policy's."""
+    width = max([20] + [len(name) for name in rows])
+    head = (f"{'policy (both passes)':<{width}} {'makespan s':>11} {'per pass':>16} {'step s':>7} "
+            f"{'loop groups/s':>13} {'x first':>8} {'delivered':>11} {'lag<=':>6}")
+    lines = [head, "-" * len(head)]
+    first = next(iter(rows.values()))["groups_per_s_with_trainer"] if rows else 0.0
+    for name, r in rows.items():
+        g = r["groups_per_s_with_trainer"]
+        per = " / ".join(f"{x:.2f}" for x in r["makespan_s_per_run"])
+        delivered = f"{r.get('samples_delivered', 0)}/{r.get('samples_submitted', 0)}"
+        lines.append(f"{name:<{width}} {r['makespan_s']:>11.2f} {per:>16} {r['step_time_s']:>7.2f} {g:>13.3f} "
+                     f"{g / first if first else 0:>7.2f}x {delivered:>11} {r.get('max_trained_lag', '-'):>6}")
     return "\n".join(lines)
 
 

@@ -12,13 +12,13 @@ import asyncio
 import json
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
 from load_tests import driver, multiturn
-from load_tests.metrics import CostModel, Counters, FleetProbe, step_metrics, summarise
+from load_tests.metrics import CostModel, Counters, FleetProbe, host_cpu, host_cpu_share, step_metrics, summarise
 from load_tests.targets import FleetSpec, grpc_fleet, in_process_fleet
 from load_tests.workloads import Workload
 from rollout_service.core.clock import run_virtual
@@ -212,6 +212,7 @@ async def run_async(cfg: RunConfig, policy: PolicySpec, on_fleet=None) -> RunRes
             if cfg.progress:
                 print(f"  [{policy.name}] warm-up done in {warmup_s:.1f} s", file=sys.stderr, flush=True)
         probe.start()
+        host0 = host_cpu()
         extra = {}
         try:
             if cfg.mode == "closed" and policy.has("partial"):
@@ -228,6 +229,10 @@ async def run_async(cfg: RunConfig, policy: PolicySpec, on_fleet=None) -> RunRes
                     on_step_start=on_start, on_step_end=on_end)
         finally:
             await probe.stop()
+        host = host_cpu_share(host0, host_cpu())
+        if host is not None and cfg.clock == "real" and cfg.progress:
+            print(f"  [{policy.name}] host CPUs over the measured steps: {host['busy']:.0%} busy, "
+                  f"{host['idle']:.0%} idle, {host['steal']:.1%} stolen by the hypervisor", file=sys.stderr, flush=True)
         speculation = speculation_summary(fleet.spec) if fleet.spec is not None and fleet.spec.spec.enabled else None
         if speculation is not None and cfg.progress:
             print(f"  [{policy.name}] {describe_speculation(speculation)}", file=sys.stderr, flush=True)
@@ -245,6 +250,8 @@ async def run_async(cfg: RunConfig, policy: PolicySpec, on_fleet=None) -> RunRes
         "duplicate_samples": duplicates,
         "wall_s": time.perf_counter() - wall0,
         "warmup_s": warmup_s,
+        # Real clock: where the host's CPU time went over the measured steps.
+        "host_cpu": host if cfg.clock == "real" else None,
         "cost_model": {"source": cost_source, **{k: getattr(cost, k) for k in cost.__dataclass_fields__}},
     })
     if keep_tokens:
@@ -374,3 +381,49 @@ def run_policy(cfg: RunConfig, policy: PolicySpec, on_fleet=None) -> RunResult:
     if cfg.clock == "virtual":
         return run_virtual(run_async(cfg, policy, on_fleet))
     return asyncio.run(run_async(cfg, policy, on_fleet))
+
+
+PASS_MARK = "#"  # a policy's result in pass k of a two-pass run is named POLICY#k
+
+
+def base_policy(name: str) -> str:
+    """The policy a result name stands for (`partial#2` -> `partial`)."""
+    return name.split(PASS_MARK, 1)[0]
+
+
+def check_passes(cfg: RunConfig, passes: int) -> None:
+    """Why `run_passes(cfg, ..., passes)` cannot run, as a ValueError."""
+    if passes == 1:
+        return
+    if passes != 2:
+        raise ValueError(f"passes must be 1 or 2, got {passes}")
+    if cfg.mode != "closed":
+        raise ValueError("two passes are for the closed loop (--mode closed)")
+    if len(cfg.workload.steps) < 2:
+        raise ValueError("two passes need at least 2 steps (each pass runs half of them)")
+
+
+def run_passes(cfg: RunConfig, policies: list[PolicySpec], passes: int = 1) -> list[RunResult]:
+    """Every policy on a fresh fleet of its own, one after the other.
+
+    `passes=2` runs each policy twice: the first half of the workload's
+    steps with the policies in the order given, then the second half in
+    the reverse order (A B C C B A), each time on a fresh fleet. On a host
+    whose speed drifts during the run, a drift that is even roughly linear
+    in time then weighs on every policy alike, where one pass puts all of
+    it on the policy that runs last. The results are named `POLICY#1` and
+    `POLICY#2`; `report.pooled` joins them."""
+    check_passes(cfg, passes)
+    if passes == 1:
+        return [run_policy(cfg, p) for p in policies]
+    first, second = cfg.workload.split(2)
+    out = []
+    for k, (half, order) in enumerate(((first, policies), (second, policies[::-1])), start=1):
+        for policy in order:
+            if cfg.progress:
+                print(f"pass {k} of 2: {policy.name}, steps {len(half.steps)}", file=sys.stderr, flush=True)
+            result = run_policy(replace(cfg, workload=half), policy)
+            result.policy = f"{policy.name}{PASS_MARK}{k}"
+            result.summary.update(policy=result.policy, run_pass=k)
+            out.append(result)
+    return out

@@ -131,6 +131,15 @@ class Workload:
                 out.append([pool[(starts[k] + i) % len(pool)] for i in range(n)])
         return Workload(self.name, out, self.max_tokens, self.source, self.length_scale, dict(self.params), self.vocab_size)
 
+    def split(self, parts: int) -> list["Workload"]:
+        """The steps cut into `parts` consecutive workloads, in order (the
+        first ones a step longer when the steps do not divide evenly)."""
+        if not 1 <= parts <= len(self.steps):
+            raise ValueError(f"cannot split {len(self.steps)} steps into {parts} parts")
+        bounds = np.cumsum([0] + [len(a) for a in np.array_split(np.arange(len(self.steps)), parts)])
+        return [Workload(self.name, self.steps[a:b], self.max_tokens, self.source, self.length_scale,
+                         dict(self.params), self.vocab_size) for a, b in zip(bounds[:-1], bounds[1:])]
+
     def describe(self) -> dict:
         """Summary statistics (tokens) for reports."""
         L = self.output_lengths()
