@@ -529,6 +529,57 @@ def test_a_real_time_run_writes_what_was_generated_and_predict_replays_it(tmp_pa
         main(["predict", str(virtual), "--cost-model", str(fit)])
 
 
+def test_two_passes_run_the_policies_there_and_back_on_the_two_halves_of_the_steps(tmp_path, capsys):
+    """`--passes 2` runs every policy on the first half of the steps in the
+    order given, then on the second half in reverse order (A B B A), each
+    time on a fresh fleet; the report pools each policy's passes, says where
+    the host's CPU time went during each, and `predict` replays every pass
+    and pools its predictions the same way."""
+    out = tmp_path / "two-passes"
+    w = load_workload("math", length_scale=0.05, steps=4, groups_per_step=4)
+    assert [len(h.steps) for h in w.split(2)] == [2, 2]
+    assert [len(h.steps) for h in Workload("odd", w.steps[:3], w.max_tokens, "x").split(2)] == [2, 1]
+    assert main(["run", "--workload", "math", "--engines", "2", "--clock", "real", "--length-scale", "0.05",
+                 "--steps", "4", "--groups-per-step", "4", "--policy", "static,partial", "--train-s", "0.2",
+                 "--passes", "2", "--report", str(out), "--no-plots", "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert "policy (both passes)" in printed
+    report = json.loads((out / "report.json").read_text())
+    runs = ["static#1", "least-assigned+partial#1", "least-assigned+partial#2", "static#2"]
+    assert list(report["results"]) == report["config"]["policies"] == runs  # in the order they ran
+    from load_tests.workloads import polytrace
+
+    for name in runs:
+        summary = report["results"][name]
+        assert summary["steps"] == 2 and summary["samples_submitted"] == 2 * 4 * 8
+        half = w.steps[:2] if name.endswith("#1") else w.steps[2:]
+        replay = polytrace.load_trace(out / "measured" / name.replace("+", "_"), name=name)
+        assert [[g.output_lens for g in s] for s in replay.steps] == [[g.output_lens for g in s] for s in half]
+        host = summary["host_cpu"]  # Linux: /proc/stat
+        assert host["busy"] > 0 and sum(host.values()) == pytest.approx(1.0)
+    for name in ("static", "least-assigned+partial"):
+        pooled = report["pooled"][name]
+        first, second = (report["results"][f"{name}#{k}"] for k in (1, 2))
+        assert pooled["steps"] == 4 and pooled["samples_delivered"] == pooled["samples_submitted"] == 4 * 4 * 8
+        assert pooled["makespan_s"] == pytest.approx((first["makespan_s"] + second["makespan_s"]) / 2)
+        assert pooled["step_time_s"] == pytest.approx((first["step_time_s"] + second["step_time_s"]) / 2)
+        # Groups per second over all the loop's time: between the passes' own.
+        rates = sorted(r["groups_per_s_with_trainer"] for r in (first, second))
+        assert rates[0] <= pooled["groups_per_s_with_trainer"] <= rates[1]
+    fit = tmp_path / "fit.json"
+    fit.write_text(json.dumps({"sim_params": {"decode_base_s": 0.004, "decode_per_seq_s": 0.00015}}))
+    assert main(["predict", str(out), "--cost-model", str(fit), "--out", str(tmp_path / "rows.json"),
+                 "--plot", str(tmp_path / "steps.png")]) == 0
+    rows = {r["policy"]: r for r in json.loads((tmp_path / "rows.json").read_text())}
+    assert list(rows) == runs + ["static", "least-assigned+partial"]
+    assert rows["static"]["pooled"] and "| static (passes pooled) |" in capsys.readouterr().out
+    for name in ("static", "least-assigned+partial"):
+        passes = [rows[f"{name}#{k}"]["makespan_s"]["predicted"] for k in (1, 2)]
+        assert rows[name]["makespan_s"]["predicted"] == pytest.approx(sum(passes) / 2)
+    with pytest.raises(SystemExit, match="--passes: two passes are for the closed loop"):
+        main(["run", "--workload", "math", "--quick", "--mode", "open", "--rate", "2", "--passes", "2", "--quiet"])
+
+
 def test_predict_prices_a_verified_draft_token_as_one_more_sequence(tmp_path):
     """`predict` charges speculation's verification by the calibrated cost
     of a token in the batch (spec_verify_cost 1.0) unless told otherwise:
