@@ -71,6 +71,11 @@ def write_measured(out: Path, results: list[RunResult]) -> Path:
     return out / "measured"
 
 
+def _pass_of(name: str) -> str:
+    """`#2` for `partial#2`; empty for a one-pass run's `partial`."""
+    return name[len(base_policy(name)):]
+
+
 def table(results: list[RunResult]) -> str:
     """A fixed-width table of the headline figures."""
     width = max([22] + [len(r.policy) for r in results])
@@ -84,7 +89,11 @@ def table(results: list[RunResult]) -> str:
     if loop:
         head += f" {'step s':>7} {'loop groups/s':>13} {'x first':>8} {'lag<=':>6} {'stale masked':>13}"
     lines = [head, "-" * len(head)]
-    first = results[0].summary.get("groups_per_s_with_trainer", 0.0) if results else 0.0
+    # In a two-pass run, each pass against the first policy's run in the same pass.
+    reference: dict[str, float] = {}
+    for r in results:
+        if base_policy(r.policy) == base_policy(results[0].policy):
+            reference.setdefault(_pass_of(r.policy), r.summary.get("groups_per_s_with_trainer", 0.0))
     for r in results:
         s = r.summary
         ratio = f"{s['ratio_to_bound']:.2f}" if s["ratio_to_bound"] else "-"
@@ -97,6 +106,7 @@ def table(results: list[RunResult]) -> str:
         )
         if loop:
             g = s["groups_per_s_with_trainer"]
+            first = reference.get(_pass_of(r.policy), 0.0)
             line += (f" {s['step_time_s']:>7.2f} {g:>13.3f} {g / first if first else 0:>7.2f}x "
                      f"{s['max_trained_lag']:>6} {s['tokens_masked_stale']:>13}")
         lines.append(line)

@@ -544,6 +544,8 @@ def test_two_passes_run_the_policies_there_and_back_on_the_two_halves_of_the_ste
                  "--passes", "2", "--report", str(out), "--no-plots", "--quiet"]) == 0
     printed = capsys.readouterr().out
     assert "policy (both passes)" in printed
+    # Each pass's rows are against the first policy's run in the same pass.
+    assert [line.split()[-3] for line in printed.splitlines() if line.startswith("static#")] == ["1.00x", "1.00x"]
     report = json.loads((out / "report.json").read_text())
     runs = ["static#1", "least-assigned+partial#1", "least-assigned+partial#2", "static#2"]
     assert list(report["results"]) == report["config"]["policies"] == runs  # in the order they ran
