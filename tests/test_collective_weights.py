@@ -127,6 +127,7 @@ class _Stalling:
         import threading
 
         self.release = threading.Event()
+        self.stalled = threading.Event()  # set when the send reaches the stall
 
         self.stall_at = list(weights)[after]
 
@@ -138,6 +139,7 @@ class _Stalling:
 
     def __getitem__(self, name):
         if name == self.stall_at:
+            self.stalled.set()
             self.release.wait(TIMEOUT_S * 3)
         return self.weights[name]
 
@@ -190,7 +192,11 @@ async def test_generation_goes_on_while_a_staged_collective_push_is_received(ser
             assert time.time() < deadline, "the groups did not start"
             await asyncio.sleep(0.05)
         push = asyncio.ensure_future(_push(client, stall, before + 1))
-        await asyncio.sleep(1.5)  # half the tensors sent; the trainer stalls
+        deadline = time.monotonic() + 60
+        while not stall.stalled.is_set():  # half the tensors sent; the trainer stalls
+            assert time.monotonic() < deadline, "the trainer never reached the middle of its weights"
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)  # tokens of a step that ran as the push began are counted
         tokens0, running0 = core.counters["tokens_generated"], len(core.running)
         await asyncio.sleep(2.0)
         generated = core.counters["tokens_generated"] - tokens0
