@@ -69,23 +69,24 @@ def predict(report_dir: Path, sim: dict, progress: bool = False) -> list[dict]:
         predicted = result.summary
         summaries["measured"].append({**measured, "policy": policy})
         summaries["predicted"].append({**predicted, "policy": policy})
-        row = {"policy": policy, "weight_push_s": push_s}
-        for key, _ in FIGURES:
-            m, p = float(measured.get(key, 0.0)), float(predicted.get(key, 0.0))
-            row[key] = {"measured": m, "predicted": p, "error": (p / m - 1.0) if m else None}
+        row = {"policy": policy, "weight_push_s": push_s, **_figures(measured, predicted)}
         row["step_makespans_s"] = {"measured": [float(s["makespan_s"]) for s in measured.get("per_step", [])],
                                    "predicted": [float(s["makespan_s"]) for s in result.steps]}
         rows.append(row)
     if any(base_policy(p) != p for p in cfg["policies"]):
         sides = {side: pooled(ss) for side, ss in summaries.items()}
         for policy, measured in sides["measured"].items():
-            predicted = sides["predicted"][policy]
-            row = {"policy": policy, "pooled": True}
-            for key, _ in FIGURES:
-                m, p = measured[key], predicted[key]
-                row[key] = {"measured": m, "predicted": p, "error": (p / m - 1.0) if m else None}
-            rows.append(row)
+            rows.append({"policy": policy, "pooled": True, **_figures(measured, sides["predicted"][policy])})
     return rows
+
+
+def _figures(measured: dict, predicted: dict) -> dict:
+    """Each of FIGURES, measured beside predicted, with the prediction's error."""
+    out = {}
+    for key, _ in FIGURES:
+        m, p = float(measured.get(key, 0.0)), float(predicted.get(key, 0.0))
+        out[key] = {"measured": m, "predicted": p, "error": (p / m - 1.0) if m else None}
+    return out
 
 
 def plot(rows: list[dict], out: Path, title: str = "") -> Path:

@@ -212,7 +212,7 @@ async def run_async(cfg: RunConfig, policy: PolicySpec, on_fleet=None) -> RunRes
             if cfg.progress:
                 print(f"  [{policy.name}] warm-up done in {warmup_s:.1f} s", file=sys.stderr, flush=True)
         probe.start()
-        host0 = host_cpu()
+        host0 = host_cpu() if cfg.clock == "real" else None  # virtual time: the host's CPUs say nothing
         extra = {}
         try:
             if cfg.mode == "closed" and policy.has("partial"):
@@ -230,7 +230,7 @@ async def run_async(cfg: RunConfig, policy: PolicySpec, on_fleet=None) -> RunRes
         finally:
             await probe.stop()
         host = host_cpu_share(host0, host_cpu())
-        if host is not None and cfg.clock == "real" and cfg.progress:
+        if host is not None and cfg.progress:
             print(f"  [{policy.name}] host CPUs over the measured steps: {host['busy']:.0%} busy, "
                   f"{host['idle']:.0%} idle, {host['steal']:.1%} stolen by the hypervisor", file=sys.stderr, flush=True)
         speculation = speculation_summary(fleet.spec) if fleet.spec is not None and fleet.spec.spec.enabled else None
@@ -251,7 +251,7 @@ async def run_async(cfg: RunConfig, policy: PolicySpec, on_fleet=None) -> RunRes
         "wall_s": time.perf_counter() - wall0,
         "warmup_s": warmup_s,
         # Real clock: where the host's CPU time went over the measured steps.
-        "host_cpu": host if cfg.clock == "real" else None,
+        "host_cpu": host,
         "cost_model": {"source": cost_source, **{k: getattr(cost, k) for k in cost.__dataclass_fields__}},
     })
     if keep_tokens:

@@ -129,7 +129,12 @@ class Workload:
                 out.append(self.steps[k][:n])
             else:
                 out.append([pool[(starts[k] + i) % len(pool)] for i in range(n)])
-        return Workload(self.name, out, self.max_tokens, self.source, self.length_scale, dict(self.params), self.vocab_size)
+        return self._with_steps(out)
+
+    def _with_steps(self, steps: list[list[GroupShape]]) -> "Workload":
+        """This workload with other steps (its own parameters copied)."""
+        return Workload(self.name, steps, self.max_tokens, self.source, self.length_scale, dict(self.params),
+                        self.vocab_size)
 
     def split(self, parts: int) -> list["Workload"]:
         """The steps cut into `parts` consecutive workloads, in order (the
@@ -137,8 +142,7 @@ class Workload:
         if not 1 <= parts <= len(self.steps):
             raise ValueError(f"cannot split {len(self.steps)} steps into {parts} parts")
         bounds = np.cumsum([0] + [len(a) for a in np.array_split(np.arange(len(self.steps)), parts)])
-        return [Workload(self.name, self.steps[a:b], self.max_tokens, self.source, self.length_scale,
-                         dict(self.params), self.vocab_size) for a, b in zip(bounds[:-1], bounds[1:])]
+        return [self._with_steps(self.steps[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
 
     def describe(self) -> dict:
         """Summary statistics (tokens) for reports."""
