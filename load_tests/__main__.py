@@ -88,6 +88,8 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--cost-model", metavar="JSON", required=True,
                    help="a calibration file (load_tests/calibrate.py) of the same engines")
     q.add_argument("--sim", action="append", default=[], metavar="FIELD=VALUE", help="cost-model overrides")
+    q.add_argument("--no-speed-scale", action="store_true",
+                   help="predict at the calibration's host speed, not at each run's (see load_tests/speed_reference.py)")
     q.add_argument("--out", help="write the rows as JSON here")
     q.add_argument("--plot", metavar="PNG", help="plot each policy's step makespans, measured beside predicted, here")
     a = sub.add_parser("predictor", help="rank correlation of the length predictor with the true lengths on a replay")
@@ -224,10 +226,13 @@ def main(argv: list[str] | None = None) -> int:
         from load_tests import predict
 
         try:
-            rows = predict.predict(Path(args.dir), {**_cost_model(args.cost_model), **_sim_overrides(args.sim)})
+            reference = None if args.no_speed_scale else json.loads(Path(args.cost_model).read_text()).get("speed_reference")
+            rows = predict.predict(Path(args.dir), {**_cost_model(args.cost_model), **_sim_overrides(args.sim)},
+                                   reference=reference)
         except (ValueError, FileNotFoundError) as exc:
             raise SystemExit(f"predict: {exc}")
         print(predict.markdown(rows))
+        print(predict.speed_note(rows, args.cost_model, reference, args.no_speed_scale))
         if args.out:
             Path(args.out).write_text(json.dumps(rows, indent=2))
         if args.plot:

@@ -90,6 +90,8 @@ from pathlib import Path
 
 import numpy as np
 
+from load_tests import speed_reference
+
 DEFAULT_OUT = Path(__file__).resolve().parent / "calibration" / "tiny_reasoner_cpu.json"
 
 
@@ -743,6 +745,10 @@ def calibrate_one(args) -> dict:
     return _fitted(result)
 
 
+def _speed_reference(args) -> dict:
+    return speed_reference.measure(args.model or default_model(), copies=min(args.engines, os.cpu_count() or 1))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="", help="model directory (default: the bundled tiny reasoner)")
@@ -805,8 +811,13 @@ def main(argv: list[str] | None = None) -> int:
         result.pop("draft_fit", None)
         result = _fitted({**result, "refitted_at": time.strftime("%Y-%m-%d %H:%M:%S")})
     else:
+        reference = None if args.barrier or not speed_reference.on_cpu() else _speed_reference(args)
         result = (through_service(args) if args.service
                   else side_by_side(args) if args.engines > 1 else calibrate_one(args))
+        if reference is not None:
+            # The host's speed over the calibration: `predict` scales the fit by a run's own.
+            result["speed_reference"] = speed_reference.bracket(reference, _speed_reference(args))
+            print(speed_reference.describe(result["speed_reference"]), flush=True)
     out = Path(args.out or args.refit or DEFAULT_OUT)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from load_tests import speed_reference
 from load_tests.policies import parse_policy
 from load_tests.report import measured_dir, pooled
 from load_tests.runner import RunConfig, base_policy, run_policy
@@ -41,11 +42,16 @@ VERIFY_COST = {"spec_verify_cost": 1.0}
 FIGURES = [("makespan_s", "makespan s"), ("step_time_s", "RL step s"), ("groups_per_s_with_trainer", "loop groups/s")]
 
 
-def predict(report_dir: Path, sim: dict, progress: bool = False) -> list[dict]:
+def predict(report_dir: Path, sim: dict, progress: bool = False, reference: dict | None = None) -> list[dict]:
     """One row per policy of the measured run: its figures, measured and
     predicted. A two-pass run (`run --passes 2`) has a row per pass
     (`POLICY#1`, `POLICY#2`, each replayed on a fresh simulated fleet as it
-    ran) and then one per policy, both passes pooled on each side."""
+    ran) and then one per policy, both passes pooled on each side.
+
+    `reference`: the calibration's host speed reference. Where the run
+    timed one too (every run on vLLM CPU engines does), each policy's
+    engine costs are scaled by how much slower the host ran it than the
+    calibration (`speed_scale` in its row)."""
     sim = {**VERIFY_COST, **sim}
     doc = json.loads((report_dir / "report.json").read_text())
     cfg = doc["config"]
@@ -60,8 +66,10 @@ def predict(report_dir: Path, sim: dict, progress: bool = False) -> list[dict]:
         measured = doc["results"][policy]
         workload = polytrace.load_trace(trace, name=f"measured {policy}", cap=cfg.get("max_tokens"))
         push_s = float(measured.get("weight_sync_s", 0.0))
+        factor = speed_reference.scale(measured.get("speed_reference"), reference)
         run = RunConfig(workload, engines=cfg["engines"], clock="virtual", engine_kind="sim", max_seqs=cfg["max_seqs"],
-                        kv_tokens=cfg["kv_tokens"], sim={**sim, "weight_update_s": push_s}, seed=cfg["seed"],
+                        kv_tokens=cfg["kv_tokens"], sim={**speed_reference.scaled(sim, factor), "weight_update_s": push_s},
+                        seed=cfg["seed"],
                         need_groups=cfg.get("need_groups"), progress=progress,
                         over_provision=cfg.get("over_provision", 2.0), max_version_lag=cfg.get("max_version_lag", 1),
                         train_s=cfg.get("train_s", 0.0), spec=dict(cfg.get("spec") or {}))  # the run's `--spec`
@@ -69,7 +77,7 @@ def predict(report_dir: Path, sim: dict, progress: bool = False) -> list[dict]:
         predicted = result.summary
         summaries["measured"].append({**measured, "policy": policy})
         summaries["predicted"].append({**predicted, "policy": policy})
-        row = {"policy": policy, "weight_push_s": push_s, **_figures(measured, predicted)}
+        row = {"policy": policy, "weight_push_s": push_s, "speed_scale": factor, **_figures(measured, predicted)}
         row["step_makespans_s"] = {"measured": [float(s["makespan_s"]) for s in measured.get("per_step", [])],
                                    "predicted": [float(s["makespan_s"]) for s in result.steps]}
         rows.append(row)
@@ -120,10 +128,16 @@ def plot(rows: list[dict], out: Path, title: str = "") -> Path:
 
 
 def markdown(rows: list[dict]) -> str:
-    head = "| policy | " + " | ".join(f"{label}: measured | predicted | error" for _, label in FIGURES) + " |"
-    lines = [head, "|---|" + "---:|---:|---:|" * len(FIGURES)]
+    """The rows as a table; a `host speed x` column where any prediction
+    was scaled to the host's speed during its run."""
+    speed = any(r.get("speed_scale") is not None for r in rows)
+    head = ("| policy | " + ("host speed x | " if speed else "")
+            + " | ".join(f"{label}: measured | predicted | error" for _, label in FIGURES) + " |")
+    lines = [head, "|---|" + ("---:|" if speed else "") + "---:|---:|---:|" * len(FIGURES)]
     for r in rows:
         cells = []
+        if speed:
+            cells.append(f"{r['speed_scale']:.2f}" if r.get("speed_scale") is not None else "-")
         for key, _ in FIGURES:
             f = r[key]
             err = f"{f['error']:+.1%}" if f["error"] is not None else "-"
@@ -131,3 +145,17 @@ def markdown(rows: list[dict]) -> str:
         name = f"{r['policy']} (passes pooled)" if r.get("pooled") else r["policy"]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def speed_note(rows: list[dict], calibration: str, reference: dict | None, off: bool) -> str:
+    """One line on the host speed the predictions were made at."""
+    if off:
+        return "host speed: the calibration's (--no-speed-scale)"
+    if reference is None:
+        return (f"host speed: the calibration's ({calibration} has no speed reference: calibrate again to record "
+                "one, and predictions follow the host's speed during each run)")
+    if not any(r.get("speed_scale") is not None for r in rows):
+        return ("host speed: the calibration's (the run timed no speed reference: runs on vLLM CPU engines "
+                "record one)")
+    return (f"host speed: each run's, against the calibration's reference ({reference['ms']:.1f} ms); "
+            "host speed x = how much slower the host ran it")

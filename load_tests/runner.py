@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from load_tests import driver, multiturn
+from load_tests import driver, multiturn, speed_reference
 from load_tests.metrics import CostModel, Counters, FleetProbe, host_cpu, host_cpu_share, step_metrics, summarise
 from load_tests.targets import FleetSpec, grpc_fleet, in_process_fleet
 from load_tests.workloads import Workload
@@ -376,11 +377,30 @@ def _reward(records: list[driver.StepRecord], w: Workload) -> float:
 
 
 def run_policy(cfg: RunConfig, policy: PolicySpec, on_fleet=None) -> RunResult:
-    """Run one policy on a fresh fleet (virtual time or a real service)."""
+    """Run one policy on a fresh fleet (virtual time or a real service).
+    On real vLLM engines the host's speed reference is timed before the
+    fleet starts and after it stops (`speed_reference` in the summary)."""
     cfg.check()
     if cfg.clock == "virtual":
         return run_virtual(run_async(cfg, policy, on_fleet))
-    return asyncio.run(run_async(cfg, policy, on_fleet))
+    before = _speed_reference(cfg)
+    result = asyncio.run(run_async(cfg, policy, on_fleet))
+    if before is not None:
+        ref = speed_reference.bracket(before, _speed_reference(cfg))
+        result.summary["speed_reference"] = ref
+        if cfg.progress:
+            print(f"  [{policy.name}] {speed_reference.describe(ref)}", file=sys.stderr, flush=True)
+    return result
+
+
+def _speed_reference(cfg: RunConfig) -> dict | None:
+    """The host's speed now on the run's target (real vLLM engines on the
+    CPU only: what `predict` scales a calibration by), one copy per engine."""
+    if cfg.engine_kind != "vllm" or not speed_reference.on_cpu():
+        return None
+    from rollout_service.assets import tiny_model_path
+
+    return speed_reference.measure(cfg.model or str(tiny_model_path()), copies=min(cfg.engines, os.cpu_count() or 1))
 
 
 PASS_MARK = "#"  # a policy's result in pass k of a two-pass run is named POLICY#k

@@ -582,6 +582,73 @@ def test_two_passes_run_the_policies_there_and_back_on_the_two_halves_of_the_ste
         main(["run", "--workload", "math", "--quick", "--mode", "open", "--rate", "2", "--passes", "2", "--quiet"])
 
 
+def test_predict_runs_each_policy_at_the_host_speed_its_run_measured(tmp_path, capsys):
+    """Where a run and the calibration both timed the host's speed
+    reference, `predict` scales the calibrated engine costs by how much
+    slower the host ran each policy: a policy whose run read the reference
+    twice as slow as the calibration did is predicted to take twice as
+    long; `--no-speed-scale` predicts at the calibration's speed, and a
+    calibration without a reference says so."""
+    out = tmp_path / "measured-run"
+    assert main(["run", "--workload", "math", "--engines", "2", "--clock", "real", "--length-scale", "0.05",
+                 "--steps", "2", "--groups-per-step", "4", "--policy", "static,least-assigned",
+                 "--report", str(out), "--no-plots", "--quiet"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    # Simulated engines time no reference (their speed is the cost model's): give the run two readings.
+    for name, ms in (("static", 120.0), ("least-assigned", 60.0)):
+        assert "speed_reference" not in report["results"][name]
+        report["results"][name]["speed_reference"] = {"ms": ms, "copies": 2}
+    (out / "report.json").write_text(json.dumps(report))
+    fit = tmp_path / "fit.json"
+    fit.write_text(json.dumps({"sim_params": {"decode_base_s": 0.004, "decode_per_seq_s": 0.002},
+                               "speed_reference": {"ms": 60.0, "copies": 2}}))
+    rows = {}
+    for name, extra in (("scaled", []), ("still", ["--no-speed-scale"])):
+        capsys.readouterr()
+        assert main(["predict", str(out), "--cost-model", str(fit), "--out", str(tmp_path / f"{name}.json"),
+                     *extra]) == 0
+        rows[name] = {r["policy"]: r for r in json.loads((tmp_path / f"{name}.json").read_text())}
+        printed = capsys.readouterr().out
+        assert ("host speed x" in printed) == (name == "scaled")
+    assert rows["scaled"]["static"]["speed_scale"] == pytest.approx(2.0)
+    assert rows["scaled"]["least-assigned"]["speed_scale"] == pytest.approx(1.0)
+    assert rows["still"]["static"]["speed_scale"] is None
+    predicted = {side: {p: r["makespan_s"]["predicted"] for p, r in rs.items()} for side, rs in rows.items()}
+    assert predicted["scaled"]["static"] == pytest.approx(2 * predicted["still"]["static"], rel=0.01)
+    assert predicted["scaled"]["least-assigned"] == pytest.approx(predicted["still"]["least-assigned"], rel=0.01)
+    bare = tmp_path / "bare.json"
+    bare.write_text(json.dumps({"sim_params": {"decode_base_s": 0.004, "decode_per_seq_s": 0.002}}))
+    assert main(["predict", str(out), "--cost-model", str(bare)]) == 0
+    assert "has no speed reference" in capsys.readouterr().out
+
+
+@pytest.mark.vllm
+def test_a_run_on_vllm_engines_times_the_host_speed_reference_around_each_policy(tmp_path, capsys):
+    """A real-time run on vLLM CPU engines (the bundled model) times the
+    host's speed reference before its fleet starts and after it stops, and
+    `predict` with a calibration that timed one too scales that policy by
+    the ratio of the two."""
+    pytest.importorskip("vllm")
+    from load_tests import speed_reference
+
+    out = tmp_path / "vllm-run"
+    assert main(["run", "--workload", "tiny-reasoner", "--engine", "vllm", "--clock", "real", "--engines", "1",
+                 "--steps", "1", "--groups-per-step", "2", "--policy", "static",
+                 "--report", str(out), "--no-plots", "--quiet"]) == 0
+    ref = json.loads((out / "report.json").read_text())["results"]["static"]["speed_reference"]
+    assert ref["before"]["copies"] == ref["after"]["copies"] == 1
+    for reading in (ref["before"], ref["after"]):
+        assert 0 < reading["batch_ms"]["1"] < reading["batch_ms"]["16"]  # 16 activations cost more than 1
+    assert ref["ms"] == pytest.approx((ref["before"]["ms"] + ref["after"]["ms"]) / 2)
+    fit = tmp_path / "fit.json"
+    fit.write_text(json.dumps({"sim_params": {"decode_base_s": 0.002, "decode_per_seq_s": 0.0001},
+                               "speed_reference": {"ms": ref["ms"] / 3}}))
+    assert main(["predict", str(out), "--cost-model", str(fit), "--out", str(tmp_path / "rows.json")]) == 0
+    assert json.loads((tmp_path / "rows.json").read_text())[0]["speed_scale"] == pytest.approx(3.0)
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
+        speed_reference.measure(str(tmp_path))
+
+
 def test_predict_prices_a_verified_draft_token_as_one_more_sequence(tmp_path):
     """`predict` charges speculation's verification by the calibrated cost
     of a token in the batch (spec_verify_cost 1.0) unless told otherwise:
@@ -684,6 +751,8 @@ def test_the_model_free_draft_calibration_measures_verify_steps_that_draft(tmp_p
     assert calibrate(["--quick", "--draft", "ngram", "--batches", "1,4", "--verify-batches", "1,4", "--repeats", "1",
                       "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
+    # The host's speed over the calibration, as runs time it: what `predict` scales a run's costs by.
+    assert doc["speed_reference"]["before"]["ms"] > 0 and doc["speed_reference"]["after"]["ms"] > 0
     draft = doc["draft_measurements"]
     assert draft["model_free"] and draft["acceptance"] is None and draft["prompt"] > 100
     assert {x["batch"] for x in draft["decode_k"]} == {1, 4}
