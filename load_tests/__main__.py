@@ -25,6 +25,7 @@ from load_tests.runner import RunConfig, check_passes, run_passes
 from load_tests.workloads import WORKLOADS, load_workload
 from rollout_service.engines.sim import SimParams
 from load_tests.policies import parse_policies
+from load_tests.predict import ENSEMBLE, JITTER
 
 COST_FIELDS = ("decode_base_s", "decode_per_seq_s", "decode_per_ctx_token_s", "decode_floor_s", "prefill_per_token_s",
                "weight_update_s",
@@ -90,6 +91,10 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--sim", action="append", default=[], metavar="FIELD=VALUE", help="cost-model overrides")
     q.add_argument("--no-speed-scale", action="store_true",
                    help="predict at the calibration's host speed, not at each run's (see load_tests/speed_reference.py)")
+    q.add_argument("--ensemble", type=int, default=ENSEMBLE,
+                   help="replays per policy, at engine costs spread evenly over +-JITTER; the prediction is their "
+                        "mean (1: one replay at the calibrated costs)")
+    q.add_argument("--jitter", type=float, default=JITTER, help="the ensemble's spread of engine costs (fraction)")
     q.add_argument("--out", help="write the rows as JSON here")
     q.add_argument("--plot", metavar="PNG", help="plot each policy's step makespans, measured beside predicted, here")
     a = sub.add_parser("predictor", help="rank correlation of the length predictor with the true lengths on a replay")
@@ -228,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             reference = None if args.no_speed_scale else json.loads(Path(args.cost_model).read_text()).get("speed_reference")
             rows = predict.predict(Path(args.dir), {**_cost_model(args.cost_model), **_sim_overrides(args.sim)},
-                                   reference=reference)
+                                   reference=reference, ensemble=args.ensemble, jitter=args.jitter)
         except (ValueError, FileNotFoundError) as exc:
             raise SystemExit(f"predict: {exc}")
         print(predict.markdown(rows))

@@ -40,9 +40,28 @@ from load_tests.workloads import polytrace
 # A verified draft token costs one more sequence of the calibrated batch.
 VERIFY_COST = {"spec_verify_cost": 1.0}
 FIGURES = [("makespan_s", "makespan s"), ("step_time_s", "RL step s"), ("groups_per_s_with_trainer", "loop groups/s")]
+# A replay of partial rollout or rebalancing is sensitive: on 6 steps of
+# the tail target a 1% change in every engine cost moved a policy's
+# predicted makespan by up to 20%, as a group completes just before or
+# just after a step's end and the steps after it follow. So each policy is
+# replayed at costs spread over +-JITTER (the speed reference's repeatability
+# between consecutive readings, about 3%) and its prediction is their mean;
+# the rows give the spread.
+ENSEMBLE = 7
+JITTER = 0.03
 
 
-def predict(report_dir: Path, sim: dict, progress: bool = False, reference: dict | None = None) -> list[dict]:
+def cost_factors(ensemble: int, jitter: float) -> list[float]:
+    """The ensemble's cost multipliers: `ensemble` evenly over 1 +- jitter."""
+    if ensemble < 1:
+        raise ValueError(f"ensemble must be >= 1, got {ensemble}")
+    if not 0 <= jitter < 1:
+        raise ValueError(f"jitter must be in [0, 1), got {jitter}")
+    return [1.0] if ensemble == 1 else [float(f) for f in np.linspace(1 - jitter, 1 + jitter, ensemble)]
+
+
+def predict(report_dir: Path, sim: dict, progress: bool = False, reference: dict | None = None,
+            ensemble: int = ENSEMBLE, jitter: float = JITTER) -> list[dict]:
     """One row per policy of the measured run: its figures, measured and
     predicted. A two-pass run (`run --passes 2`) has a row per pass
     (`POLICY#1`, `POLICY#2`, each replayed on a fresh simulated fleet as it
@@ -51,7 +70,12 @@ def predict(report_dir: Path, sim: dict, progress: bool = False, reference: dict
     `reference`: the calibration's host speed reference. Where the run
     timed one too (every run on vLLM CPU engines does), each policy's
     engine costs are scaled by how much slower the host ran it than the
-    calibration (`speed_scale` in its row)."""
+    calibration (`speed_scale` in its row).
+
+    Each policy is replayed `ensemble` times at engine costs spread over
+    +-`jitter` (`cost_factors`); its predicted figures are the replays'
+    means, and `spread` in each figure gives their least and greatest."""
+    factors = cost_factors(ensemble, jitter)
     sim = {**VERIFY_COST, **sim}
     doc = json.loads((report_dir / "report.json").read_text())
     cfg = doc["config"]
@@ -67,19 +91,24 @@ def predict(report_dir: Path, sim: dict, progress: bool = False, reference: dict
         workload = polytrace.load_trace(trace, name=f"measured {policy}", cap=cfg.get("max_tokens"))
         push_s = float(measured.get("weight_sync_s", 0.0))
         factor = speed_reference.scale(measured.get("speed_reference"), reference)
-        run = RunConfig(workload, engines=cfg["engines"], clock="virtual", engine_kind="sim", max_seqs=cfg["max_seqs"],
-                        kv_tokens=cfg["kv_tokens"], sim={**speed_reference.scaled(sim, factor), "weight_update_s": push_s},
-                        seed=cfg["seed"],
-                        need_groups=cfg.get("need_groups"), progress=progress,
-                        over_provision=cfg.get("over_provision", 2.0), max_version_lag=cfg.get("max_version_lag", 1),
-                        train_s=cfg.get("train_s", 0.0), spec=dict(cfg.get("spec") or {}))  # the run's `--spec`
-        result = run_policy(run, parse_policy(base_policy(policy)))
-        predicted = result.summary
+        members = []
+        for f in factors:
+            run = RunConfig(workload, engines=cfg["engines"], clock="virtual", engine_kind="sim",
+                            max_seqs=cfg["max_seqs"], kv_tokens=cfg["kv_tokens"],
+                            sim={**speed_reference.scaled(sim, (factor or 1.0) * f), "weight_update_s": push_s},
+                            seed=cfg["seed"], need_groups=cfg.get("need_groups"), progress=progress,
+                            over_provision=cfg.get("over_provision", 2.0),
+                            max_version_lag=cfg.get("max_version_lag", 1), train_s=cfg.get("train_s", 0.0),
+                            spec=dict(cfg.get("spec") or {}))  # the run's `--spec`
+            members.append(run_policy(run, parse_policy(base_policy(policy))))
+        predicted = _mean_summary([m.summary for m in members])
         summaries["measured"].append({**measured, "policy": policy})
         summaries["predicted"].append({**predicted, "policy": policy})
-        row = {"policy": policy, "weight_push_s": push_s, "speed_scale": factor, **_figures(measured, predicted)}
+        row = {"policy": policy, "weight_push_s": push_s, "speed_scale": factor,
+               **_figures(measured, predicted, [m.summary for m in members])}
         row["step_makespans_s"] = {"measured": [float(s["makespan_s"]) for s in measured.get("per_step", [])],
-                                   "predicted": [float(s["makespan_s"]) for s in result.steps]}
+                                   "predicted": [float(np.mean([m.steps[i]["makespan_s"] for m in members]))
+                                                 for i in range(len(members[0].steps))]}
         rows.append(row)
     if any(base_policy(p) != p for p in cfg["policies"]):
         sides = {side: pooled(ss) for side, ss in summaries.items()}
@@ -88,12 +117,25 @@ def predict(report_dir: Path, sim: dict, progress: bool = False, reference: dict
     return rows
 
 
-def _figures(measured: dict, predicted: dict) -> dict:
-    """Each of FIGURES, measured beside predicted, with the prediction's error."""
+def _mean_summary(summaries: list[dict]) -> dict:
+    """The ensemble's prediction: its replays' figures averaged (what
+    pooling passes reads: steps and the FIGURES)."""
+    out = {"steps": summaries[0]["steps"]}
+    for key, _ in FIGURES:
+        out[key] = float(np.mean([float(s.get(key, 0.0)) for s in summaries]))
+    return out
+
+
+def _figures(measured: dict, predicted: dict, members: list[dict] | None = None) -> dict:
+    """Each of FIGURES, measured beside predicted, with the prediction's
+    error (and, given the ensemble's replays, their least and greatest)."""
     out = {}
     for key, _ in FIGURES:
         m, p = float(measured.get(key, 0.0)), float(predicted.get(key, 0.0))
         out[key] = {"measured": m, "predicted": p, "error": (p / m - 1.0) if m else None}
+        if members and len(members) > 1:
+            values = [float(s.get(key, 0.0)) for s in members]
+            out[key]["spread"] = [min(values), max(values)]
     return out
 
 
@@ -129,11 +171,14 @@ def plot(rows: list[dict], out: Path, title: str = "") -> Path:
 
 def markdown(rows: list[dict]) -> str:
     """The rows as a table; a `host speed x` column where any prediction
-    was scaled to the host's speed during its run."""
+    was scaled to the host's speed during its run, and the range of the
+    ensemble's makespan errors where it had more than one replay."""
     speed = any(r.get("speed_scale") is not None for r in rows)
+    spread = any("spread" in r["makespan_s"] for r in rows)
     head = ("| policy | " + ("host speed x | " if speed else "")
-            + " | ".join(f"{label}: measured | predicted | error" for _, label in FIGURES) + " |")
-    lines = [head, "|---|" + ("---:|" if speed else "") + "---:|---:|---:|" * len(FIGURES)]
+            + " | ".join(f"{label}: measured | predicted | error" for _, label in FIGURES)
+            + (" | makespan error, replays' range" if spread else "") + " |")
+    lines = [head, "|---|" + ("---:|" if speed else "") + "---:|---:|---:|" * len(FIGURES) + ("---:|" if spread else "")]
     for r in rows:
         cells = []
         if speed:
@@ -142,6 +187,10 @@ def markdown(rows: list[dict]) -> str:
             f = r[key]
             err = f"{f['error']:+.1%}" if f["error"] is not None else "-"
             cells += [f"{f['measured']:.3f}", f"{f['predicted']:.3f}", err]
+        if spread:
+            f = r["makespan_s"]
+            cells.append(" to ".join(f"{x / f['measured'] - 1:+.0%}" for x in f["spread"])
+                         if "spread" in f and f["measured"] else "-")
         name = f"{r['policy']} (passes pooled)" if r.get("pooled") else r["policy"]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

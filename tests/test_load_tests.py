@@ -622,6 +622,34 @@ def test_predict_runs_each_policy_at_the_host_speed_its_run_measured(tmp_path, c
     assert "has no speed reference" in capsys.readouterr().out
 
 
+def test_predict_replays_each_policy_at_costs_spread_around_the_calibration_and_gives_the_range(tmp_path, capsys):
+    """A replay can swing on a small change of costs (a group done just
+    before or after a step's end), so `predict` replays each policy at
+    engine costs spread over +-jitter and predicts their mean, with the
+    range; `--ensemble 1` is one replay at the calibrated costs."""
+    out = tmp_path / "measured-run"
+    assert main(["run", "--workload", "math", "--engines", "2", "--clock", "real", "--length-scale", "0.05",
+                 "--steps", "2", "--groups-per-step", "4", "--policy", "static",
+                 "--report", str(out), "--no-plots", "--quiet"]) == 0
+    fit = tmp_path / "fit.json"
+    fit.write_text(json.dumps({"sim_params": {"decode_base_s": 0.004, "decode_per_seq_s": 0.002}}))
+    rows = {}
+    for name, extra in (("one", ["--ensemble", "1"]), ("three", ["--ensemble", "3", "--jitter", "0.2"])):
+        capsys.readouterr()
+        assert main(["predict", str(out), "--cost-model", str(fit), "--out", str(tmp_path / f"{name}.json"),
+                     *extra]) == 0
+        rows[name] = json.loads((tmp_path / f"{name}.json").read_text())[0]["makespan_s"]
+        assert ("replays' range" in capsys.readouterr().out) == (name == "three")
+    assert "spread" not in rows["one"]
+    low, high = rows["three"]["spread"]
+    # The static split's makespan is its engines' work: proportional to their costs, 0.8x to 1.2x.
+    assert low == pytest.approx(0.8 * rows["one"]["predicted"], rel=0.02)
+    assert high == pytest.approx(1.2 * rows["one"]["predicted"], rel=0.02)
+    assert rows["three"]["predicted"] == pytest.approx(rows["one"]["predicted"], rel=0.02)
+    with pytest.raises(SystemExit, match="ensemble must be >= 1"):
+        main(["predict", str(out), "--cost-model", str(fit), "--ensemble", "0"])
+
+
 @pytest.mark.vllm
 def test_a_run_on_vllm_engines_times_the_host_speed_reference_around_each_policy(tmp_path, capsys):
     """A real-time run on vLLM CPU engines (the bundled model) times the
