@@ -42,7 +42,7 @@ VERIFY_COST = {"spec_verify_cost": 1.0}
 FIGURES = [("makespan_s", "makespan s"), ("step_time_s", "RL step s"), ("groups_per_s_with_trainer", "loop groups/s")]
 # A replay of partial rollout or rebalancing is sensitive: on 6 steps of
 # the tail target a 1% change in every engine cost moved a policy's
-# predicted makespan by up to 20%, as a group completes just before or
+# predicted makespan by more than 20%, as a group completes just before or
 # just after a step's end and the steps after it follow. So each policy is
 # replayed at costs spread over +-JITTER (the speed reference's repeatability
 # between consecutive readings, about 3%) and its prediction is their mean;
