@@ -746,7 +746,7 @@ def calibrate_one(args) -> dict:
 
 
 def _speed_reference(args) -> dict:
-    return speed_reference.measure(args.model or default_model(), copies=min(args.engines, os.cpu_count() or 1))
+    return speed_reference.measure_or_warn(args.model or default_model(), copies=min(args.engines, os.cpu_count() or 1))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -814,10 +814,11 @@ def main(argv: list[str] | None = None) -> int:
         reference = None if args.barrier or not speed_reference.on_cpu() else _speed_reference(args)
         result = (through_service(args) if args.service
                   else side_by_side(args) if args.engines > 1 else calibrate_one(args))
+        # The host's speed over the calibration: `predict` scales the fit by a run's own.
+        reference = speed_reference.bracket(reference, _speed_reference(args) if reference is not None else None)
         if reference is not None:
-            # The host's speed over the calibration: `predict` scales the fit by a run's own.
-            result["speed_reference"] = speed_reference.bracket(reference, _speed_reference(args))
-            print(speed_reference.describe(result["speed_reference"]), flush=True)
+            result["speed_reference"] = reference
+            print(speed_reference.describe(reference), flush=True)
     out = Path(args.out or args.refit or DEFAULT_OUT)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

@@ -385,8 +385,8 @@ def run_policy(cfg: RunConfig, policy: PolicySpec, on_fleet=None) -> RunResult:
         return run_virtual(run_async(cfg, policy, on_fleet))
     before = _speed_reference(cfg)
     result = asyncio.run(run_async(cfg, policy, on_fleet))
-    if before is not None:
-        ref = speed_reference.bracket(before, _speed_reference(cfg))
+    ref = speed_reference.bracket(before, _speed_reference(cfg) if before is not None else None)
+    if ref is not None:
         result.summary["speed_reference"] = ref
         if cfg.progress:
             print(f"  [{policy.name}] {speed_reference.describe(ref)}", file=sys.stderr, flush=True)
@@ -400,7 +400,8 @@ def _speed_reference(cfg: RunConfig) -> dict | None:
         return None
     from rollout_service.assets import tiny_model_path
 
-    return speed_reference.measure(cfg.model or str(tiny_model_path()), copies=min(cfg.engines, os.cpu_count() or 1))
+    return speed_reference.measure_or_warn(cfg.model or str(tiny_model_path()),
+                                           copies=min(cfg.engines, os.cpu_count() or 1))
 
 
 PASS_MARK = "#"  # a policy's result in pass k of a two-pass run is named POLICY#k

@@ -124,9 +124,24 @@ def measure(model: str, copies: int = 1, repeats: int = REPEATS) -> dict:
             "copies": copies, "at": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
-def bracket(before: dict, after: dict) -> dict:
+def measure_or_warn(model: str, copies: int = 1) -> dict | None:
+    """`measure`, or None with a warning on stderr where it cannot run (a
+    model without safetensors weights, say): the reference serves the
+    predictions, it never stops the measurement it brackets."""
+    try:
+        return measure(model, copies)
+    except (OSError, RuntimeError, ValueError) as exc:
+        print(f"warning: no host speed reference ({exc}); predictions of this will be at the calibration's speed",
+              file=sys.stderr, flush=True)
+        return None
+
+
+def bracket(before: dict | None, after: dict | None) -> dict | None:
     """Readings taken before and after a measurement: their mean stands for
-    the host's speed over it (a drift roughly linear in time)."""
+    the host's speed over it (a drift roughly linear in time). None if
+    either is missing."""
+    if before is None or after is None:
+        return None
     return {"ms": (before["ms"] + after["ms"]) / 2, "before": before, "after": after}
 
 

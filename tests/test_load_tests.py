@@ -675,6 +675,10 @@ def test_a_run_on_vllm_engines_times_the_host_speed_reference_around_each_policy
     assert json.loads((tmp_path / "rows.json").read_text())[0]["speed_scale"] == pytest.approx(3.0)
     with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
         speed_reference.measure(str(tmp_path))
+    capsys.readouterr()
+    # Where it cannot run, a run or a calibration goes on without it, and says so.
+    assert speed_reference.measure_or_warn(str(tmp_path)) is None
+    assert "no host speed reference" in capsys.readouterr().err
 
 
 def test_predict_prices_a_verified_draft_token_as_one_more_sequence(tmp_path):
