@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import pytest
 
@@ -483,6 +484,22 @@ def test_a_trainer_stand_in_is_part_of_each_step_and_partial_rollout_fills_it():
         RunConfig(w, engines=2, mode="open", rate=1.0, warmup_steps=1).check()
 
 
+def _measured_run(tmp_path, *args: str) -> Path:
+    """A short real-time run of the math trace on 2 simulated engines behind
+    the real service (`args`: policies and the like), its report directory."""
+    out = tmp_path / "measured-run"
+    assert main(["run", "--workload", "math", "--engines", "2", "--clock", "real", "--length-scale", "0.05",
+                 "--steps", "2", "--groups-per-step", "4", *args, "--report", str(out), "--no-plots", "--quiet"]) == 0
+    return out
+
+
+def _predicted(out: Path, fit: Path, tmp_path, name: str, *args: str) -> list[dict]:
+    """`predict` of a run with the cost model `fit` (and `args`): its rows."""
+    rows = tmp_path / f"{name}.json"
+    assert main(["predict", str(out), "--cost-model", str(fit), "--out", str(rows), *args]) == 0
+    return json.loads(rows.read_text())
+
+
 def test_a_real_time_run_writes_what_was_generated_and_predict_replays_it(tmp_path, capsys):
     """A run in real time writes each policy's generated lengths as a trace
     (every group of every step, partial rollout's drained groups too, none
@@ -589,10 +606,7 @@ def test_predict_runs_each_policy_at_the_host_speed_its_run_measured(tmp_path, c
     twice as slow as the calibration did is predicted to take twice as
     long; `--no-speed-scale` predicts at the calibration's speed, and a
     calibration without a reference says so."""
-    out = tmp_path / "measured-run"
-    assert main(["run", "--workload", "math", "--engines", "2", "--clock", "real", "--length-scale", "0.05",
-                 "--steps", "2", "--groups-per-step", "4", "--policy", "static,least-assigned",
-                 "--report", str(out), "--no-plots", "--quiet"]) == 0
+    out = _measured_run(tmp_path, "--policy", "static,least-assigned")
     report = json.loads((out / "report.json").read_text())
     # Simulated engines time no reference (their speed is the cost model's): give the run two readings.
     for name, ms in (("static", 120.0), ("least-assigned", 60.0)):
@@ -605,9 +619,7 @@ def test_predict_runs_each_policy_at_the_host_speed_its_run_measured(tmp_path, c
     rows = {}
     for name, extra in (("scaled", []), ("still", ["--no-speed-scale"])):
         capsys.readouterr()
-        assert main(["predict", str(out), "--cost-model", str(fit), "--out", str(tmp_path / f"{name}.json"),
-                     *extra]) == 0
-        rows[name] = {r["policy"]: r for r in json.loads((tmp_path / f"{name}.json").read_text())}
+        rows[name] = {r["policy"]: r for r in _predicted(out, fit, tmp_path, name, *extra)}
         printed = capsys.readouterr().out
         assert ("host speed x" in printed) == (name == "scaled")
     assert rows["scaled"]["static"]["speed_scale"] == pytest.approx(2.0)
@@ -627,18 +639,13 @@ def test_predict_replays_each_policy_at_costs_spread_around_the_calibration_and_
     before or after a step's end), so `predict` replays each policy at
     engine costs spread over +-jitter and predicts their mean, with the
     range; `--ensemble 1` is one replay at the calibrated costs."""
-    out = tmp_path / "measured-run"
-    assert main(["run", "--workload", "math", "--engines", "2", "--clock", "real", "--length-scale", "0.05",
-                 "--steps", "2", "--groups-per-step", "4", "--policy", "static",
-                 "--report", str(out), "--no-plots", "--quiet"]) == 0
+    out = _measured_run(tmp_path, "--policy", "static")
     fit = tmp_path / "fit.json"
     fit.write_text(json.dumps({"sim_params": {"decode_base_s": 0.004, "decode_per_seq_s": 0.002}}))
     rows = {}
     for name, extra in (("one", ["--ensemble", "1"]), ("three", ["--ensemble", "3", "--jitter", "0.2"])):
         capsys.readouterr()
-        assert main(["predict", str(out), "--cost-model", str(fit), "--out", str(tmp_path / f"{name}.json"),
-                     *extra]) == 0
-        rows[name] = json.loads((tmp_path / f"{name}.json").read_text())[0]["makespan_s"]
+        rows[name] = _predicted(out, fit, tmp_path, name, *extra)[0]["makespan_s"]
         assert ("replays' range" in capsys.readouterr().out) == (name == "three")
     assert "spread" not in rows["one"]
     low, high = rows["three"]["spread"]
@@ -686,17 +693,12 @@ def test_predict_prices_a_verified_draft_token_as_one_more_sequence(tmp_path):
     of a token in the batch (spec_verify_cost 1.0) unless told otherwise:
     a run with speculation is predicted slower than with free verification,
     and a run without speculation is predicted the same either way."""
-    out = tmp_path / "measured-run"
-    assert main(["run", "--workload", "math", "--engines", "2", "--clock", "real", "--length-scale", "0.05",
-                 "--steps", "2", "--groups-per-step", "4", "--policy", "static,least-assigned+spec-ngram",
-                 "--report", str(out), "--no-plots", "--quiet"]) == 0
+    out = _measured_run(tmp_path, "--policy", "static,least-assigned+spec-ngram")
     fit = tmp_path / "fit.json"
     fit.write_text(json.dumps({"sim_params": {"decode_base_s": 0.004, "decode_per_seq_s": 0.002}}))
     rows = {}
     for name, extra in (("priced", []), ("free", ["--sim", "spec_verify_cost=0"])):
-        assert main(["predict", str(out), "--cost-model", str(fit), "--out", str(tmp_path / f"{name}.json"),
-                     *extra]) == 0
-        rows[name] = {r["policy"]: r["makespan_s"]["predicted"] for r in json.loads((tmp_path / f"{name}.json").read_text())}
+        rows[name] = {r["policy"]: r["makespan_s"]["predicted"] for r in _predicted(out, fit, tmp_path, name, *extra)}
     spec = next(p for p in rows["priced"] if "spec" in p)
     assert rows["priced"][spec] > rows["free"][spec]
     assert rows["priced"]["static"] == pytest.approx(rows["free"]["static"], rel=0.02)
@@ -706,19 +708,14 @@ def test_predict_replays_a_run_with_its_own_spec_overrides(tmp_path):
     """A run told `--spec schedule=...` is predicted on that schedule: with
     speculation switched off at every batch size, pricing verification
     changes nothing in the prediction."""
-    out = tmp_path / "measured-run"
-    assert main(["run", "--workload", "math", "--engines", "2", "--clock", "real", "--length-scale", "0.05",
-                 "--steps", "2", "--groups-per-step", "4", "--policy", "least-assigned+spec-ngram",
-                 "--spec", "schedule=[[1,65536,0]]", "--spec", "tune=false",
-                 "--report", str(out), "--no-plots", "--quiet"]) == 0
+    out = _measured_run(tmp_path, "--policy", "least-assigned+spec-ngram",
+                        "--spec", "schedule=[[1,65536,0]]", "--spec", "tune=false")
     assert json.loads((out / "report.json").read_text())["config"]["spec"]["schedule"] == [[1, 65536, 0]]
     fit = tmp_path / "fit.json"
     fit.write_text(json.dumps({"sim_params": {"decode_base_s": 0.004, "decode_per_seq_s": 0.002}}))
     predicted = {}
     for name, extra in (("priced", []), ("free", ["--sim", "spec_verify_cost=0"])):
-        assert main(["predict", str(out), "--cost-model", str(fit), "--out", str(tmp_path / f"{name}.json"),
-                     *extra]) == 0
-        predicted[name] = json.loads((tmp_path / f"{name}.json").read_text())[0]["makespan_s"]["predicted"]
+        predicted[name] = _predicted(out, fit, tmp_path, name, *extra)[0]["makespan_s"]["predicted"]
     assert predicted["priced"] == pytest.approx(predicted["free"], rel=0.02)
 
 
