@@ -97,6 +97,11 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--jitter", type=float, default=JITTER, help="the ensemble's spread of engine costs (fraction)")
     q.add_argument("--out", help="write the rows as JSON here")
     q.add_argument("--plot", metavar="PNG", help="plot each policy's step makespans, measured beside predicted, here")
+    q.add_argument("--what-if", metavar="POLICIES",
+                   help="instead: replay every measured trace under each of these policies (comma-separated) and "
+                        "print their loop groups/s per trace, mean, and ratio to the first")
+    q.add_argument("--spec", action="append", default=[], metavar="FIELD=VALUE",
+                   help="with --what-if: [engine.spec] overrides of the run's --spec for the speculating policies")
     a = sub.add_parser("predictor", help="rank correlation of the length predictor with the true lengths on a replay")
     a.add_argument("--workload", default="math,code,video", help="comma list, as for run")
     a.add_argument("--engines", default="8", help="engines in the fleet (comma list: each)")
@@ -230,8 +235,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "predict":
         from load_tests import predict
 
+        if args.spec and not args.what_if:
+            raise SystemExit("predict: --spec goes with --what-if (a plain prediction replays the run's own --spec)")
         try:
             reference = None if args.no_speed_scale else json.loads(Path(args.cost_model).read_text()).get("speed_reference")
+            if args.what_if:
+                result = predict.what_if(Path(args.dir), {**_cost_model(args.cost_model), **_sim_overrides(args.sim)},
+                                         [p for p in args.what_if.split(",") if p], spec=_spec_overrides(args.spec),
+                                         reference=reference, ensemble=args.ensemble, jitter=args.jitter)
+                print(predict.what_if_markdown(result))
+                print(predict.speed_note([{"speed_scale": f} for f in result["speed_scale"].values()],
+                                         args.cost_model, reference, args.no_speed_scale))
+                if args.out:
+                    Path(args.out).write_text(json.dumps(result, indent=2))
+                return 0
             rows = predict.predict(Path(args.dir), {**_cost_model(args.cost_model), **_sim_overrides(args.sim)},
                                    reference=reference, ensemble=args.ensemble, jitter=args.jitter)
         except (ValueError, FileNotFoundError) as exc:

@@ -14,6 +14,12 @@ measured run took per step (the calibration does not model pushes), then
 prints per policy the measured and predicted step makespan, RL step time
 and complete groups per second, with the error of each prediction.
 
+    python -m load_tests predict reports/measured --cost-model fit.json --what-if partial,rebalance+partial+spec
+
+replays every measured trace under each named policy instead (`what_if`):
+what they would have made of the lengths the engines sampled, the noise of
+each run's own sampling taken out of the comparison.
+
 What the simulator cannot know is said in the table's notes: it replays the
 measured lengths (it does not sample them), and its speculation model is
 its own (`SimParams` acceptance profile), not the measured drafter's.
@@ -77,34 +83,17 @@ def predict(report_dir: Path, sim: dict, progress: bool = False, reference: dict
     means, and `spread` in each figure gives their least and greatest."""
     factors = cost_factors(ensemble, jitter)
     sim = {**VERIFY_COST, **sim}
-    doc = json.loads((report_dir / "report.json").read_text())
+    doc = _real_time_run(report_dir)
     cfg = doc["config"]
-    if cfg.get("clock") != "real":
-        raise ValueError(f"{report_dir}: a run in virtual time; predict replays runs in real time (real engines)")
     rows = []
     summaries: dict[str, list[dict]] = {"measured": [], "predicted": []}
     for policy in cfg["policies"]:
-        trace = measured_dir(report_dir, policy)
-        if not trace.is_dir():
-            raise FileNotFoundError(f"{trace}: no measured trace (written by `run --clock real --report DIR`)")
         measured = doc["results"][policy]
-        workload = polytrace.load_trace(trace, name=f"measured {policy}", cap=cfg.get("max_tokens"))
-        push_s = float(measured.get("weight_sync_s", 0.0))
-        factor = speed_reference.scale(measured.get("speed_reference"), reference)
-        members = []
-        for f in factors:
-            run = RunConfig(workload, engines=cfg["engines"], clock="virtual", engine_kind="sim",
-                            max_seqs=cfg["max_seqs"], kv_tokens=cfg["kv_tokens"],
-                            sim={**speed_reference.scaled(sim, (factor or 1.0) * f), "weight_update_s": push_s},
-                            seed=cfg["seed"], need_groups=cfg.get("need_groups"), progress=progress,
-                            over_provision=cfg.get("over_provision", 2.0),
-                            max_version_lag=cfg.get("max_version_lag", 1), train_s=cfg.get("train_s", 0.0),
-                            spec=dict(cfg.get("spec") or {}))  # the run's `--spec`
-            members.append(run_policy(run, parse_policy(base_policy(policy))))
+        factor, members = _replays(report_dir, cfg, policy, measured, sim, reference, factors, progress=progress)
         predicted = _mean_summary([m.summary for m in members])
         summaries["measured"].append({**measured, "policy": policy})
         summaries["predicted"].append({**predicted, "policy": policy})
-        row = {"policy": policy, "weight_push_s": push_s, "speed_scale": factor,
+        row = {"policy": policy, "weight_push_s": float(measured.get("weight_sync_s", 0.0)), "speed_scale": factor,
                **_figures(measured, predicted, [m.summary for m in members])}
         row["step_makespans_s"] = {"measured": [float(s["makespan_s"]) for s in measured.get("per_step", [])],
                                    "predicted": [float(np.mean([m.steps[i]["makespan_s"] for m in members]))
@@ -115,6 +104,95 @@ def predict(report_dir: Path, sim: dict, progress: bool = False, reference: dict
         for policy, measured in sides["measured"].items():
             rows.append({"policy": policy, "pooled": True, **_figures(measured, sides["predicted"][policy])})
     return rows
+
+
+def _real_time_run(report_dir: Path) -> dict:
+    """A run's report.json; refused unless it ran in real time."""
+    doc = json.loads((report_dir / "report.json").read_text())
+    if doc["config"].get("clock") != "real":
+        raise ValueError(f"{report_dir}: a run in virtual time; predict replays runs in real time (real engines)")
+    return doc
+
+
+def _replays(report_dir: Path, cfg: dict, policy: str, measured: dict, sim: dict, reference: dict | None,
+             factors: list[float], replay_as: str | None = None, spec: dict | None = None, progress: bool = False):
+    """The measured trace of `policy` (a run's policy, `POLICY#PASS` in a
+    two-pass run) replayed on the run's simulated fleet once per cost
+    factor, under that policy or `replay_as`, with the run's `--spec` (and
+    `spec` over it). Returns the host speed factor and the replays."""
+    trace = measured_dir(report_dir, policy)
+    if not trace.is_dir():
+        raise FileNotFoundError(f"{trace}: no measured trace (written by `run --clock real --report DIR`)")
+    workload = polytrace.load_trace(trace, name=f"measured {policy}", cap=cfg.get("max_tokens"))
+    push_s = float(measured.get("weight_sync_s", 0.0))
+    factor = speed_reference.scale(measured.get("speed_reference"), reference)
+    members = []
+    for f in factors:
+        run = RunConfig(workload, engines=cfg["engines"], clock="virtual", engine_kind="sim",
+                        max_seqs=cfg["max_seqs"], kv_tokens=cfg["kv_tokens"],
+                        sim={**speed_reference.scaled(sim, (factor or 1.0) * f), "weight_update_s": push_s},
+                        seed=cfg["seed"], need_groups=cfg.get("need_groups"), progress=progress,
+                        over_provision=cfg.get("over_provision", 2.0),
+                        max_version_lag=cfg.get("max_version_lag", 1), train_s=cfg.get("train_s", 0.0),
+                        spec={**(cfg.get("spec") or {}), **(spec or {})})  # the run's `--spec`
+        members.append(run_policy(run, parse_policy(replay_as or base_policy(policy))))
+    return factor, members
+
+
+def what_if(report_dir: Path, sim: dict, policies: list[str], spec: dict | None = None,
+            reference: dict | None = None, ensemble: int = ENSEMBLE, jitter: float = JITTER,
+            progress: bool = False) -> dict:
+    """Every measured trace of a run replayed under each of `policies`: what
+    those policies would have made of the lengths the engines sampled. Each
+    policy's rows give its loop groups/s and mean step makespan per trace
+    (the mean of `ensemble` replays, at each run's host speed as `predict`
+    replays it) and their mean over the traces. `spec` overrides the run's
+    `--spec` for the policies that speculate."""
+    factors = cost_factors(ensemble, jitter)
+    sim = {**VERIFY_COST, **sim}
+    doc = _real_time_run(report_dir)
+    cfg = doc["config"]
+    if not policies:
+        raise ValueError("--what-if: name at least one policy")
+    for p in policies:
+        try:
+            parse_policy(p)  # refused before any replay
+        except ValueError as e:
+            raise ValueError(f"--what-if: {e}") from None
+    traces = list(cfg["policies"])
+    rows, speed = [], {}
+    for p in policies:
+        per_trace = {}
+        for t in traces:
+            speed[t], members = _replays(report_dir, cfg, t, doc["results"][t], sim, reference, factors,
+                                         replay_as=p, spec=spec, progress=progress)
+            mean = _mean_summary([m.summary for m in members])
+            per_trace[t] = {key: mean[key] for key, _ in FIGURES}
+        rows.append({"policy": p, "traces": per_trace,
+                     "mean": {key: float(np.mean([v[key] for v in per_trace.values()])) for key, _ in FIGURES}})
+    return {"traces": traces, "rows": rows, "speed_scale": speed,
+            "measured": {t: {key: float(doc["results"][t].get(key, 0.0)) for key, _ in FIGURES} for t in traces}}
+
+
+def what_if_markdown(result: dict) -> str:
+    """Loop groups/s per trace and policy, the measured figure of each trace
+    in the first row, and each policy's mean over the traces against the
+    first policy's."""
+    traces, rows = result["traces"], result["rows"]
+    key = "groups_per_s_with_trainer"
+    head = "| policy | " + " | ".join(traces) + " | mean | x " + rows[0]["policy"] + " |"
+    lines = [head, "|---|" + "---:|" * (len(traces) + 2),
+             "| measured (the policy that ran) | " + " | ".join(f"{result['measured'][t][key]:.4f}" for t in traces)
+             + " | - | - |"]
+    if any(v is not None for v in result["speed_scale"].values()):
+        lines.append("| host speed x | " + " | ".join(f"{result['speed_scale'][t]:.2f}" if result["speed_scale"][t]
+                                                       is not None else "-" for t in traces) + " | - | - |")
+    first = rows[0]["mean"][key]
+    for r in rows:
+        ratio = f"{r['mean'][key] / first:.2f}" if first else "-"
+        lines.append(f"| {r['policy']} | " + " | ".join(f"{r['traces'][t][key]:.4f}" for t in traces)
+                     + f" | {r['mean'][key]:.4f} | {ratio} |")
+    return "\n".join(lines)
 
 
 def _mean_summary(summaries: list[dict]) -> dict:

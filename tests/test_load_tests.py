@@ -5,6 +5,7 @@ import asyncio
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from load_tests.__main__ import main
@@ -655,6 +656,42 @@ def test_predict_replays_each_policy_at_costs_spread_around_the_calibration_and_
     assert rows["three"]["predicted"] == pytest.approx(rows["one"]["predicted"], rel=0.02)
     with pytest.raises(SystemExit, match="ensemble must be >= 1"):
         main(["predict", str(out), "--cost-model", str(fit), "--ensemble", "0"])
+
+
+def test_predict_what_if_replays_every_measured_trace_under_other_policies(tmp_path, capsys):
+    """`predict --what-if P1,P2` replays each measured trace under each
+    named policy: a trace replayed under the policy that ran it is that
+    policy's own prediction, partial rollout makes more of the same lengths
+    than the static split, `--spec` switches speculation off for the
+    what-if, and a bad policy or a stray `--spec` is refused by name."""
+    out = _measured_run(tmp_path, "--policy", "static,partial", "--train-s", "0.2")
+    fit = tmp_path / "fit.json"
+    fit.write_text(json.dumps({"sim_params": {"decode_base_s": 0.004, "decode_per_seq_s": 0.002}}))
+    own = {r["policy"]: r for r in _predicted(out, fit, tmp_path, "own", "--ensemble", "1")}
+    capsys.readouterr()
+    result = tmp_path / "what-if.json"
+    assert main(["predict", str(out), "--cost-model", str(fit), "--ensemble", "1", "--out", str(result),
+                 "--what-if", "static,partial,least-assigned+spec-ngram,least-assigned",
+                 "--spec", "schedule=[[1,65536,0]]", "--spec", "tune=false"]) == 0
+    printed = capsys.readouterr().out
+    assert "| static |" in printed and "x static" in printed
+    doc = json.loads(result.read_text())
+    assert doc["traces"] == ["static", "least-assigned+partial"]
+    rows = {r["policy"]: r for r in doc["rows"]}
+    for trace, policy in zip(doc["traces"], ("static", "partial")):
+        assert rows[policy]["traces"][trace]["makespan_s"] == pytest.approx(own[trace]["makespan_s"]["predicted"])
+        assert doc["measured"][trace]["makespan_s"] == pytest.approx(own[trace]["makespan_s"]["measured"])
+        groups = {p: r["traces"][trace]["groups_per_s_with_trainer"] for p, r in rows.items()}
+        assert groups["partial"] > groups["static"]
+        # Speculation off at every batch size: the same as no speculation.
+        assert groups["least-assigned+spec-ngram"] == pytest.approx(groups["least-assigned"], rel=0.02)
+    mean = rows["partial"]["mean"]["groups_per_s_with_trainer"]
+    assert mean == pytest.approx(np.mean([rows["partial"]["traces"][t]["groups_per_s_with_trainer"]
+                                          for t in doc["traces"]]))
+    with pytest.raises(SystemExit, match="--what-if: unknown policy 'fastest'"):
+        main(["predict", str(out), "--cost-model", str(fit), "--what-if", "static,fastest"])
+    with pytest.raises(SystemExit, match="--spec goes with --what-if"):
+        main(["predict", str(out), "--cost-model", str(fit), "--spec", "tune=false"])
 
 
 @pytest.mark.vllm
