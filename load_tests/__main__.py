@@ -96,7 +96,8 @@ def _parser() -> argparse.ArgumentParser:
                         "mean (1: one replay at the calibrated costs)")
     q.add_argument("--jitter", type=float, default=JITTER, help="the ensemble's spread of engine costs (fraction)")
     q.add_argument("--out", help="write the rows as JSON here")
-    q.add_argument("--plot", metavar="PNG", help="plot each policy's step makespans, measured beside predicted, here")
+    q.add_argument("--plot", metavar="PNG", help="plot each policy's step makespans, measured beside predicted, here "
+                                                 "(with --what-if: each policy's loop groups/s per trace)")
     q.add_argument("--what-if", metavar="POLICIES",
                    help="instead: replay every measured trace under each of these policies (comma-separated) and "
                         "print their loop groups/s per trace, mean, and ratio to the first")
@@ -248,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
                                          args.cost_model, reference, args.no_speed_scale))
                 if args.out:
                     Path(args.out).write_text(json.dumps(result, indent=2))
+                if args.plot:
+                    print(f"plot: {predict.what_if_plot(result, Path(args.plot), f'{args.dir}: what if (simulated, {Path(args.cost_model).name})')}")
                 return 0
             rows = predict.predict(Path(args.dir), {**_cost_model(args.cost_model), **_sim_overrides(args.sim)},
                                    reference=reference, ensemble=args.ensemble, jitter=args.jitter)

@@ -195,6 +195,39 @@ def what_if_markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def what_if_plot(result: dict, out: Path, title: str = "") -> Path:
+    """Loop groups/s of each what-if policy on each measured trace (bars),
+    with what the trace's own run measured (a black tick), and the means."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    traces, rows = result["traces"], result["rows"]
+    key = "groups_per_s_with_trainer"
+    labels = traces + ["mean"]
+    x = np.arange(len(labels))
+    width = 0.8 / len(rows)
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.5 * len(labels)), 3.8))
+    for i, r in enumerate(rows):
+        values = [r["traces"][t][key] for t in traces] + [r["mean"][key]]
+        ax.bar(x - 0.4 + width * (i + 0.5), values, width, label=r["policy"])
+    ax.plot(x[:-1], [result["measured"][t][key] for t in traces], "k_", markersize=22, mew=2,
+            label="measured (the policy that ran)")
+    ax.set_xticks(x)
+    ax.set_xticklabels([t.replace("+", "+\n") for t in traces] + ["mean"], fontsize=7)
+    ax.set_ylabel("loop groups/s")
+    ax.set_xlabel("measured trace (the policy and pass that sampled its lengths)")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    if title:
+        ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def _mean_summary(summaries: list[dict]) -> dict:
     """The ensemble's prediction: its replays' figures averaged (what
     pooling passes reads: steps and the FIGURES)."""

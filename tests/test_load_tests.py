@@ -671,10 +671,12 @@ def test_predict_what_if_replays_every_measured_trace_under_other_policies(tmp_p
     capsys.readouterr()
     result = tmp_path / "what-if.json"
     assert main(["predict", str(out), "--cost-model", str(fit), "--ensemble", "1", "--out", str(result),
+                 "--plot", str(tmp_path / "what-if.png"),
                  "--what-if", "static,partial,least-assigned+spec-ngram,least-assigned",
                  "--spec", "schedule=[[1,65536,0]]", "--spec", "tune=false"]) == 0
     printed = capsys.readouterr().out
     assert "| static |" in printed and "x static" in printed
+    assert (tmp_path / "what-if.png").stat().st_size > 0
     doc = json.loads(result.read_text())
     assert doc["traces"] == ["static", "least-assigned+partial"]
     rows = {r["policy"]: r for r in doc["rows"]}
