@@ -198,11 +198,7 @@ def what_if_markdown(result: dict) -> str:
 def what_if_plot(result: dict, out: Path, title: str = "") -> Path:
     """Loop groups/s of each what-if policy on each measured trace (bars),
     with what the trace's own run measured (a black tick), and the means."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     traces, rows = result["traces"], result["rows"]
     key = "groups_per_s_with_trainer"
     labels = traces + ["mean"]
@@ -221,6 +217,21 @@ def what_if_plot(result: dict, out: Path, title: str = "") -> Path:
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     if title:
         ax.set_title(title, fontsize=9)
+    return _saved(plt, fig, out)
+
+
+def _pyplot():
+    """matplotlib's pyplot on the file-only backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _saved(plt, fig, out: Path) -> Path:
+    """`fig` laid out and written to `out` (its folder made), then closed."""
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
@@ -252,11 +263,7 @@ def _figures(measured: dict, predicted: dict, members: list[dict] | None = None)
 
 def plot(rows: list[dict], out: Path, title: str = "") -> Path:
     """Each policy's step makespans, measured beside predicted, one panel a policy."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     rows = [r for r in rows if "step_makespans_s" in r]  # pooled rows have no steps of their own
     fig, axes = plt.subplots(1, len(rows), figsize=(4.2 * len(rows), 3.4), sharey=True, squeeze=False)
     for ax, r in zip(axes[0], rows):
@@ -273,11 +280,7 @@ def plot(rows: list[dict], out: Path, title: str = "") -> Path:
     axes[0][0].legend(fontsize=8)
     if title:
         fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _saved(plt, fig, out)
 
 
 def markdown(rows: list[dict]) -> str:
