@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 MODEL_DIRS = [tiny_model_path(), tiny_draft_path()]
 
 # Stated behaviour of the bundled model at temperature 1.0 on the default
-# difficulty (measured on 256 samples: see docs/tiny_reasoner.md); the small
+# difficulty (measured on 256 samples: see docs/models.md); the small
 # batch here gets some tolerance.
 PASS_RATE_RANGE = (0.15, 0.85)
 MIN_MAX_OVER_MEDIAN = 5.0
