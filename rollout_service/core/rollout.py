@@ -416,35 +416,39 @@ class RolloutCore:
                 log.warning("request %s failed %d times without a token, last on %s: %s; given up",
                             req.request_id, req.failures, engine.engine_id, exc)
                 self.trajectories.close_turn(req, FinishReason.ABORTED)
-                self._finish(req, FinishReason.ABORTED, drop_reason=f"engine_error: {type(exc).__name__}: {exc}")
+                self.finish(req, FinishReason.ABORTED, drop_reason=f"engine_error: {type(exc).__name__}: {exc}")
                 return
             log.warning("request %s failed on %s: %s; re-queued", req.request_id, engine.engine_id, exc)
             self.counters["requests_requeued"] += 1
-            self._requeue(req)
+            self.requeue(req)
             return
         if superseded():
             return
         self._release(req)
         if finish is None or finish == FinishReason.ABORTED:
             # The engine stopped it without the core asking (e.g. shut down).
-            self._requeue(req)
+            self.requeue(req)
             return
         if req.group.spec.multi_turn is not None:
             self.trajectories.turn_ended(req, finish, engine.engine_id)
             return
-        self._finish(req, finish)
+        self.finish(req, finish)
 
     def _release(self, req: Request) -> None:
         self.requests.release(req)
         self._wake.set()
 
-    def _requeue(self, req: Request) -> None:
+    # TrajectoryOps, for Trajectories (and the core's own runners):
+    def requeue(self, req: Request) -> None:
+        """Queue a stopped request at the head (what it generated is
+        continued wherever it lands), unless its group was aborted: the one
+        way back into the queue."""
         if req.group.aborted:
             return
         self.queue.appendleft(req)
         self._wake.set()
 
-    def _finish(self, req: Request, reason: FinishReason, drop_reason: str = "") -> None:
+    def finish(self, req: Request, reason: FinishReason, drop_reason: str = "") -> None:
         """Deliver a finished sample (`drop_reason`: the service gave it up).
         What the optional steps raise (the detokenizer, the predictor, a
         sample tap) is counted as `finish_errors` and logged; the sample is
@@ -459,21 +463,22 @@ class RolloutCore:
         if drop_reason:
             self.counters["samples_dropped"] += 1
         if group.spec.prompt_text and self.detokenizer is not None:
-            text = self._guarded("detokenizer", req, self.detokenizer.decode, sample.response_token_ids)
+            text = self.guarded("detokenizer", req, self.detokenizer.decode, sample.response_token_ids)
             sample.response_text = text or ""
         self.counters["samples_completed"] += 1
         self.histograms["sample_latency_seconds"].observe(req.finished_at - req.queued_at)
         if self.predictor is not None and not drop_reason:
-            self._guarded("length predictor", req, self.predictor.observe, req, len(req.token_ids), group.complete)
+            self.guarded("length predictor", req, self.predictor.observe, req, len(req.token_ids), group.complete)
         self.counters[f"samples_lag_{self.policy_version - sample.versions.min_version}"] += 1
         for tap in self.sample_taps if not drop_reason else ():
-            self._guarded("sample tap", req, tap, sample)
-        self._deliver(group, sample)
+            self.guarded("sample tap", req, tap, sample)
+        self.deliver(group, sample)
         if group.complete:
             self.counters["groups_completed"] += 1
             self._forget(group)
 
-    def _guarded(self, what: str, req: Request, fn, *args):
+    def guarded(self, what: str, req: Request, fn, *args):
+        """`fn(*args)`, or None when it raises (counted as `finish_errors`, logged)."""
         try:
             return fn(*args)
         except Exception:
@@ -481,7 +486,9 @@ class RolloutCore:
             log.exception("%s failed while finishing %s; the sample is delivered anyway", what, req.request_id)
             return None
 
-    def _deliver(self, group: Group, sample: Sample) -> None:
+    def deliver(self, group: Group, sample: Sample) -> None:
+        """Hand a sample to its group's listener, or append it to the
+        delivery log (marking the group complete with its last sample)."""
         if group.listener is not None:
             group.listener.put_nowait(SampleEvent(sample))
         else:
@@ -540,7 +547,7 @@ class RolloutCore:
         req.moved_at = self.clock.monotonic()
         self.counters["migrations"] += 1
         if target is None:
-            self._requeue(req)
+            self.requeue(req)
         else:
             self._start(req, self.engines[target])
 
@@ -588,7 +595,7 @@ class RolloutCore:
             if drop_reason:
                 sample.drop_reason = drop_reason
                 group.finished += 1
-                self._deliver(group, sample)
+                self.deliver(group, sample)
             samples.append(sample)
         if drop_reason:
             self.counters["groups_dropped"] += 1
@@ -609,7 +616,7 @@ class RolloutCore:
         """Continue elsewhere what runs on `engine_id` (it died)."""
         for req in self.requests.running_on(engine_id):
             await self.preempt(req)
-            self._requeue(req)
+            self.requeue(req)
 
     # -- weights (see core/weight_sync.py) ------------------------------------------
 
@@ -645,16 +652,16 @@ class RolloutCore:
         whose engine stopped while the push was pausing the others was
         re-queued by its runner, and may have run elsewhere since: one
         queued stays where it is, one that finished is not queued again
-        (either would run and be delivered twice)."""
+        (either would run and be delivered twice). An aborted group's are
+        dropped by `requeue`."""
         queued = {r.request_id for r in self.queue}
         carried = []
         for r in reqs:
-            if (r.engine_id is None and r.finish_reason is None and not r.group.aborted and not r.awaiting
-                    and r.request_id not in queued):
+            if r.engine_id is None and r.finish_reason is None and not r.awaiting and r.request_id not in queued:
                 queued.add(r.request_id)
                 carried.append(r)
-        self.queue.extendleft(reversed(carried))
-        self._wake.set()
+        for r in reversed(carried):
+            self.requeue(r)
 
     async def give_up(self, group: Group, reason: str) -> None:
         await self._give_up(group, drop_reason=reason)

@@ -16,26 +16,50 @@ limit is reached or the response budget is spent:
 
 `Trajectories` owns these steps; the core calls it where a request starts,
 ends a turn or is given up, and it asks the core to queue, finish or
-deliver. An answer carries the number of the turn it answers, so a
-repeated answer is recognised and changes nothing.
+deliver through `TrajectoryOps`, nothing else. An answer carries the number
+of the turn it answers, so a repeated answer is recognised and changes
+nothing.
 """
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Mapping
+from collections import Counter
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 
+from rollout_service.core.clock import Clock
 from rollout_service.core.tasks import TaskSet
+from rollout_service.engines.base import Engine
 from rollout_service.engines.types import EngineRequest, FinishReason
-from rollout_service.lifecycle.types import CoreError, EnvRequest, Request, Sample, Turn
+from rollout_service.lifecycle.types import CoreError, EnvRequest, Group, Request, Sample, Turn
 
 if TYPE_CHECKING:
-    from rollout_service.core.rollout import Environment, RolloutCore
+    from rollout_service.core.rollout import Detokenizer, Environment
 
 log = logging.getLogger(__name__)
 
 
+class TrajectoryOps(Protocol):
+    """What trajectories read from and ask of the core (`RolloutCore`)."""
+
+    @property
+    def clock(self) -> Clock: ...
+    @property
+    def counters(self) -> Counter[str]: ...
+    @property
+    def detokenizer(self) -> "Detokenizer | None": ...
+    @property
+    def engines(self) -> Mapping[str, Engine]: ...
+    @property
+    def groups(self) -> Mapping[str, Group]: ...  # open groups by id
+
+    def requeue(self, req: Request) -> None: ...
+    def finish(self, req: Request, reason: FinishReason, drop_reason: str = "") -> None: ...
+    def deliver(self, group: Group, sample: Sample) -> None: ...
+    def guarded(self, what: str, req: Request, fn: Callable[..., Any], *args: Any) -> Any: ...
+
+
 class Trajectories:
-    def __init__(self, core: "RolloutCore", environments: Mapping[str, "Environment"]) -> None:
+    def __init__(self, core: TrajectoryOps, environments: Mapping[str, "Environment"]) -> None:
         self.core = core
         self.environments = dict(environments)
         self._calls = TaskSet()  # environment calls in flight
@@ -132,7 +156,7 @@ class Trajectories:
         core.counters["turns_completed"] += 1
         mt = req.group.spec.multi_turn
         if req.turn_index >= mt.max_turns or self._room(req) < 2:
-            core._finish(req, finish)
+            core.finish(req, finish)
             return
         req.awaiting = True
         req.affinity = engine_id
@@ -143,7 +167,7 @@ class Trajectories:
         sample = Sample.from_request(req, finish)
         sample.awaiting_observation = True
         core.counters["turn_events"] += 1
-        core._deliver(req.group, sample)
+        core.deliver(req.group, sample)
 
     def resume_restored(self) -> None:
         """After a restart: ask the environments again for the trajectories
@@ -210,14 +234,13 @@ class Trajectories:
         req.awaiting = False
         if done:
             last = req.turns[-1].finish_reason if req.turns else FinishReason.STOP
-            core._finish(req, last or FinishReason.STOP)
+            core.finish(req, last or FinishReason.STOP)
             return
         now = core.clock.now()
         req.append_observation(list(observation), tool_s, now)
         core.counters["observations_appended"] += 1
         core.counters["observation_tokens"] += len(observation)
-        core.queue.appendleft(req)  # warm trajectories first
-        core._wake.set()
+        core.requeue(req)  # at the head: warm trajectories first
 
     async def _call(self, req: Request, epoch: int, turn: int) -> None:
         """Ask the trajectory's environment for its next observation."""
@@ -230,7 +253,7 @@ class Trajectories:
         last = req.turns[-1]
         text = ""
         if core.detokenizer is not None and spec.prompt_text:
-            text = core._guarded("detokenizer", req, core.detokenizer.decode, req.token_ids[last.start:]) or ""
+            text = core.guarded("detokenizer", req, core.detokenizer.decode, req.token_ids[last.start:]) or ""
         request = EnvRequest(
             sample_id=req.request_id, group_id=spec.group_id, index=req.index, turn=turn,
             prompt_token_ids=list(spec.prompt_token_ids), response_token_ids=list(req.token_ids),
@@ -251,7 +274,7 @@ class Trajectories:
             core.counters["environment_errors"] += 1
             log.warning("environment %r failed on %s turn %d: %s", name, req.request_id, turn, exc)
             req.awaiting = False
-            core._finish(req, FinishReason.ABORTED, drop_reason=f"environment {name!r} failed: {exc}")
+            core.finish(req, FinishReason.ABORTED, drop_reason=f"environment {name!r} failed: {exc}")
             return
         if self._stale(req, epoch, turn):
             return
@@ -261,7 +284,7 @@ class Trajectories:
             core.counters["observations_too_long"] += 1
             req.answered_turn = turn
             req.awaiting = False
-            core._finish(req, FinishReason.LENGTH)
+            core.finish(req, FinishReason.LENGTH)
             return
         self._apply(req, observation, reply.done, tool_s)
 
