@@ -27,14 +27,11 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, Iterable, Iterator, Sequence
 
+from rollout_proto.dtypes import DTYPE_SIZES
+
 DEFAULT_CHUNK_BYTES = 32 << 20
 DEFAULT_TIMEOUT_S = 60.0
 MODES = ("chain", "broadcast")
-
-_ITEMSIZE = {
-    "float32": 4, "float16": 2, "bfloat16": 2, "float64": 8,
-    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +42,7 @@ class Spec:
 
     @property
     def nbytes(self) -> int:
-        n = _ITEMSIZE[self.dtype]
+        n = DTYPE_SIZES[self.dtype]
         for d in self.shape:
             n *= int(d)
         return n

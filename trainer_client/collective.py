@@ -4,8 +4,9 @@ group whose other ranks are the engines' workers, and sends each byte once.
 
 It runs vLLM's trainer-side weight-transfer engines: `nccl` on GPUs (vLLM's
 `NCCLTrainerWeightTransferEngine`) and `gloo` on CPUs
-(`GlooTrainerWeightTransferEngine` below, registered with vLLM's
-`WeightTransferTrainerFactory`), both driven through `ServiceControl`, the
+(`GlooTrainerWeightTransferEngine`, from `rollout_proto.gloo_trainer`,
+registered with vLLM's `WeightTransferTrainerFactory`), both driven through
+`ServiceControl`, the
 `VLLMWeightSyncClient` that speaks rollout.v1's control plane
 (InitWeightTransfer, CollectiveUpdate). Without vLLM installed, gloo still
 works (the engine class is used directly).
@@ -18,34 +19,15 @@ import asyncio
 import json
 import socket
 import sys
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, Mapping
+from dataclasses import dataclass
+from typing import Any, Mapping
 
 import grpc
 
 from rollout_proto import collective as wire
 from rollout_proto import rollout_pb2 as pb
-
-
-@dataclass
-class GlooTrainerInitInfo:
-    """Trainer-side init info of the gloo backend (vLLM's `TrainerInitInfo`
-    shape: `backend` selects the engine, `rank` 0 sends)."""
-
-    backend: ClassVar[str] = "gloo"
-
-    master_address: str
-    master_port: int
-    world_size: int
-    timeout_s: float = wire.DEFAULT_TIMEOUT_S
-    chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES
-    mode: str = "chain"
-    rank: int = field(default=0, kw_only=True)
-
-    @property
-    def is_sender(self) -> bool:
-        return self.rank == 0
+from rollout_proto.dtypes import DTYPE_SIZES
+from rollout_proto.gloo_trainer import GlooTrainerInitInfo, GlooTrainerWeightTransferEngine
 
 
 @dataclass(frozen=True)
@@ -69,72 +51,6 @@ class StateDictSource:
             t = self.state_dict[name]
             full = getattr(t, "full_tensor", None)  # an FSDP shard: gathered here
             yield name, (full() if callable(full) else t).detach()
-
-
-class GlooTrainerWeightTransferEngine:
-    """vLLM's trainer-side engine interface (`trainer_init`, `send_weights`,
-    `shutdown`) over a gloo group; the bytes go as `rollout_proto.collective`
-    cuts them (chain mode: sent once, whatever the number of engines)."""
-
-    init_info_cls = GlooTrainerInitInfo
-
-    def __init__(self, *, client, source, is_sender: bool, info: GlooTrainerInitInfo) -> None:
-        self.client = client
-        self.source = source
-        self.is_sender = is_sender
-        self.info = info
-        self.group = None
-        self.store = None
-        self.bytes_sent = 0  # by the last send_weights
-
-    @classmethod
-    def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client, source=None) -> "GlooTrainerWeightTransferEngine":
-        if source is None:
-            raise ValueError("the gloo trainer engine needs a WeightSource")
-        engine = cls(client=client, source=source, is_sender=init_info.is_sender, info=init_info)
-        if not engine.is_sender:
-            return engine
-        payload = {"master_address": init_info.master_address, "master_port": init_info.master_port,
-                   "rank_offset": 1, "world_size": init_info.world_size, "timeout_s": init_info.timeout_s,
-                   "chunk_bytes": init_info.chunk_bytes, "mode": init_info.mode}
-        # The store first (the receivers reach it at once), then the receivers
-        # join (they block until every rank has) while this rank joins too.
-        engine.store = wire.open_store(init_info.master_address, init_info.master_port, 0, init_info.world_size,
-                                       init_info.timeout_s)
-        with ThreadPoolExecutor(max_workers=1) as exe:
-            future = exe.submit(client.init_weight_transfer_engine, payload)
-            try:
-                engine.group = wire.group_on(engine.store, "gloo", init_info.master_address, 0,
-                                             init_info.world_size, init_info.timeout_s)
-            except BaseException:
-                future.result()  # the service's reason first, if it has one
-                raise
-            future.result()
-        return engine
-
-    def send_weights(self) -> None:
-        meta = self.source.metadata()
-        if not self.is_sender:
-            for _ in self.source:
-                pass
-            return
-        specs = [wire.Spec(m.name, str(m.dtype).removeprefix("torch."), tuple(m.shape)) for m in meta]
-        update_info = {"names": [s.name for s in specs], "dtype_names": [s.dtype for s in specs],
-                       "shapes": [list(s.shape) for s in specs]}
-        self.client.start_weight_update()  # the manifest is checked before a byte moves
-        exe = ThreadPoolExecutor(max_workers=1)
-        try:
-            future = exe.submit(self.client.update_weights, update_info)
-            self.bytes_sent = wire.send(self.group, self.info.world_size, specs, iter(self.source),
-                                        self.info.chunk_bytes, self.info.mode, self.info.timeout_s)
-            future.result()
-        finally:
-            exe.shutdown(wait=False)
-        self.client.finish_weight_update()
-
-    def shutdown(self) -> None:
-        group, self.group, self.store = self.group, None, None
-        wire.abort_group(group)
 
 
 class ServiceControl:
@@ -239,7 +155,7 @@ def manifest_of(state_dict: Mapping[str, Any]) -> list[pb.TensorSpec]:
     for name, t in state_dict.items():
         dtype = str(t.dtype).removeprefix("torch.")
         shape = [int(d) for d in t.shape]
-        n = wire.Spec(name, dtype, tuple(shape)).nbytes if dtype in wire._ITEMSIZE else 0
+        n = wire.Spec(name, dtype, tuple(shape)).nbytes if dtype in DTYPE_SIZES else 0
         out.append(pb.TensorSpec(name=name, dtype=dtype, shape=shape, byte_length=n))
     return out
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Iterator, Mapping
 
 from rollout_proto import rollout_pb2 as pb
-from trainer_client.checksums import hexdigest, new_hasher
+from rollout_proto.checksums import hexdigest, new_hasher
 
 # checksums= of push_weights -> the wire's checksum_algo ("" with sha256:
 # only the TensorSpec.sha256 field, which every service version verifies).

@@ -10,10 +10,10 @@ import time
 import grpc
 
 from rollout_proto import rollout_pb2 as pb
+from rollout_proto.dtypes import DTYPE_SIZES
 from rollout_service.api.validation import FieldError
 from rollout_service.core.rollout import CoreError, RolloutCore
 from rollout_service.engines.base import EngineError, WeightsRejected
-from rollout_service.engines.weights import DTYPE_SIZES
 
 log = logging.getLogger(__name__)
 

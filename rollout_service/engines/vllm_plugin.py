@@ -25,7 +25,8 @@ core, workers), registered through the `vllm.general_plugins` entry point.
 3. It registers the `gloo` weight-transfer backend (`vllm_transfer`, the
    CPU counterpart of vLLM's `nccl`) with vLLM's worker-side and trainer-side
    weight-transfer factories, so engines started with
-   `weight_transfer_config={"backend": "gloo"}` can create it.
+   `weight_transfer_config={"backend": "gloo"}` can create it. The trainer
+   side is `rollout_proto.gloo_trainer`, shared with the trainer's client.
 """
 from __future__ import annotations
 
@@ -166,7 +167,7 @@ def _register_weight_transfer() -> None:
             "gloo", "rollout_service.engines.vllm_transfer", "GlooWeightTransferEngine")
     if "gloo" not in WeightTransferTrainerFactory._registry:
         WeightTransferTrainerFactory.register_engine(
-            "gloo", "trainer_client.collective", "GlooTrainerWeightTransferEngine")
+            "gloo", "rollout_proto.gloo_trainer", "GlooTrainerWeightTransferEngine")
 
 
 def register() -> None:

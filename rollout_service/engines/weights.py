@@ -24,13 +24,10 @@ from pathlib import Path
 
 # CHECKSUM_ALGOS: the algorithms of TensorSpec.digest -> length of their hex
 # digest; their hashers (xxh3 through xxHash's C library, without the GIL).
-from trainer_client.checksums import ALGOS as CHECKSUM_ALGOS
-from trainer_client.checksums import hexdigest, new_hasher
-
-DTYPE_SIZES = {
-    "float32": 4, "float16": 2, "bfloat16": 2, "float64": 8,
-    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
-}
+# Both ends of a push share them and the dtype sizes (rollout_proto).
+from rollout_proto.checksums import ALGOS as CHECKSUM_ALGOS
+from rollout_proto.checksums import hexdigest, new_hasher
+from rollout_proto.dtypes import DTYPE_SIZES
 _SAFETENSORS_DTYPES = {
     "F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64",
     "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
