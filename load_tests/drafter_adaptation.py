@@ -84,13 +84,13 @@ def _policy_sharpness(model, samples, limit: int = 64) -> dict:
     always accepted)."""
     import torch
 
-    from rollout_service.drafter.drafter_trainer import _batch
+    from rollout_service.drafter.training import collate
 
     entropy, top, count = 0.0, 0.0, 0
     pairs = [(s.prompt_token_ids, s.response_token_ids) for s in samples[:limit]]
     with torch.no_grad():
         for i in range(0, len(pairs), 16):
-            input_ids, labels, mask = _batch(pairs[i:i + 16], 1024, 0)
+            input_ids, labels, mask = collate(pairs[i:i + 16], 1024, 0)
             logp = torch.log_softmax(model(input_ids=input_ids, attention_mask=mask).logits[:, :-1], -1)
             valid = labels[:, 1:] != -100
             entropy += float(-(logp.exp() * logp).sum(-1)[valid].sum())
@@ -109,13 +109,13 @@ def _policy_state(model) -> dict:
 def _fine_tune(model, optimizer, examples, steps: int, batch_size: int, rng) -> float:
     """Optimizer steps of the policy on (prompt, response) pairs (loss on
     response tokens); returns the mean loss."""
-    from rollout_service.drafter.drafter_trainer import _batch
+    from rollout_service.drafter.training import collate
 
     model.train()
     losses = []
     for _ in range(steps):
         batch = [examples[i] for i in rng.choice(len(examples), size=min(batch_size, len(examples)), replace=False)]
-        input_ids, labels, mask = _batch(batch, 1024, 0)
+        input_ids, labels, mask = collate(batch, 1024, 0)
         loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

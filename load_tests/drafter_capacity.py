@@ -47,27 +47,27 @@ def _acceptance(model, examples, targets) -> dict:
     """Held-out per-token acceptance of greedy and of sampled drafts."""
     import torch
 
-    from rollout_service.drafter.drafter_trainer import _batch, _expected_acceptance
+    from rollout_service.drafter.training import collate, expected_acceptance
 
     model.eval()
     greedy = count = 0.0
     with torch.no_grad():
         for i in range(0, len(examples), 16):
-            input_ids, labels, mask = _batch(examples[i:i + 16], MAX_LEN, 0)
+            input_ids, labels, mask = collate(examples[i:i + 16], MAX_LEN, 0)
             logits = model(input_ids=input_ids, attention_mask=mask).logits[:, :-1]
             shifted = labels[:, 1:] != -100
             for j, (p, ids) in enumerate(targets[i:i + 16]):
                 draft = logits[j][shifted[j]].argmax(-1, keepdim=True)
                 greedy += float((p * (ids.long() == draft)).sum())
                 count += p.shape[0]
-    sampled = _expected_acceptance(model, examples, targets, MAX_LEN, 0)
+    sampled = expected_acceptance(model, examples, targets, MAX_LEN, 0)
     return {"greedy": greedy / count, "sampled": sampled}
 
 
 def _train(base, train, targets, lr: float, steps: int, loss: str, seed: int) -> tuple:
     import torch
 
-    from rollout_service.drafter.drafter_trainer import _batch, _distill_loss
+    from rollout_service.drafter.training import collate, distill_loss
 
     model = copy.deepcopy(base).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -77,9 +77,9 @@ def _train(base, train, targets, lr: float, steps: int, loss: str, seed: int) ->
         picks = rng.integers(0, len(train), 16)
         batch = [train[i] for i in picks]
         if loss == "policy":
-            value = _distill_loss(model, batch, [targets[i] for i in picks], MAX_LEN, 0)
+            value = distill_loss(model, batch, [targets[i] for i in picks], MAX_LEN, 0)
         else:
-            input_ids, labels, mask = _batch(batch, MAX_LEN, 0)
+            input_ids, labels, mask = collate(batch, MAX_LEN, 0)
             value = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
         optimizer.zero_grad(set_to_none=True)
         value.backward()
@@ -94,8 +94,9 @@ def run(args) -> dict:
 
     from load_tests.drafter_adaptation import _fine_tune
     from rollout_service.assets import tiny_draft_path, tiny_model_path
-    from rollout_service.drafter import drafter_trainer, eagle
+    from rollout_service.drafter import eagle
     from rollout_service.drafter.eagle import tokens_per_verify
+    from rollout_service.drafter.training import teacher_targets
     from rollout_service.tasks import EOS_ID, encode, generate_problems, prompt_token_ids
 
     torch.manual_seed(args.seed)
@@ -114,10 +115,9 @@ def run(args) -> dict:
     pairs = eagle.sample_responses(policy, prompts, args.max_tokens, args.seed)
     train, held = pairs[:args.train], pairs[args.train:]
     print(f"sampled {len(pairs)} responses of the drifted policy in {time.perf_counter() - t0:.0f} s", flush=True)
-    drafter_trainer._STATE["teacher"] = policy  # the training process's policy copy, here in-process
     top_k = 256
-    train_targets = drafter_trainer._teacher_targets(train, MAX_LEN, 0, top_k)
-    held_targets = drafter_trainer._teacher_targets(held, MAX_LEN, 0, top_k)
+    train_targets = teacher_targets(policy, train, MAX_LEN, 0, top_k)
+    held_targets = teacher_targets(policy, held, MAX_LEN, 0, top_k)
     ceiling = float(np.mean(np.concatenate([p.max(-1).values.numpy() for p, _ in held_targets])))
     base = AutoModelForCausalLM.from_pretrained(args.draft or str(tiny_draft_path()), dtype=torch.float32)
     rows = [{"drafter": "bundled (frozen)" if not args.draft else "initial (frozen)",

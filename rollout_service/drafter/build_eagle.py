@@ -48,7 +48,8 @@ def build(out: str | Path, target: str | Path | None = None, samples: int = 256,
     from transformers import AutoModelForCausalLM
 
     from rollout_service.assets import tiny_model_path
-    from rollout_service.drafter import drafter_trainer, eagle
+    from rollout_service.drafter import eagle
+    from rollout_service.drafter.training import teacher_targets
     from rollout_service.tasks import generate_problems, prompt_token_ids
 
     for flag, value in (("--samples", samples), ("--held-out", held_out), ("--steps", steps), ("--depth", depth),
@@ -73,9 +74,8 @@ def build(out: str | Path, target: str | Path | None = None, samples: int = 256,
 
     pairs = eagle.sample_responses(policy, prompts, max_tokens, seed, progress=sampled)
     train, held = pairs[:samples], pairs[samples:]
-    drafter_trainer._STATE["teacher"] = policy
-    train_targets = drafter_trainer._teacher_targets(train, eagle.MAX_LEN, 0, TOP_K)
-    held_targets = drafter_trainer._teacher_targets(held, eagle.MAX_LEN, 0, TOP_K)
+    train_targets = teacher_targets(policy, train, eagle.MAX_LEN, 0, TOP_K)
+    held_targets = teacher_targets(policy, held, eagle.MAX_LEN, 0, TOP_K)
     print(f"build-eagle: distilling the head, {steps} steps at lr {lr:g} ...", flush=True)
     every = max(1, steps // 10)
 

@@ -27,7 +27,9 @@ expectation on the newest prefixes before and after (`acceptance_before`,
 
 Nothing here runs on the event loop but bookkeeping: training is in a
 spawned process (one optimizer, its own torch threads), file staging in a
-thread.
+thread. The losses and measures a round uses are `training`'s functions;
+this module holds the training process's state (model, optimizer, policy
+copy) and the service side.
 
     trainer = DrafterTrainer(engines, TrainerConfig(), draft_dir, lambda: core.policy_version)
     core.sample_taps.append(trainer.observe)
@@ -53,6 +55,7 @@ import numpy as np
 from rollout_service.aio import cancel_and_wait
 from rollout_service.drafter import eagle
 from rollout_service.drafter.status import TrainerStatus
+from rollout_service.drafter.training import agreement, collate, distill_loss, expected_acceptance, teacher_targets
 from rollout_service.engines.base import Engine
 from rollout_service.engines.tables import from_table
 from rollout_service.engines.types import FinishReason
@@ -147,45 +150,6 @@ def _init_process(model_dir: str, lr: float, threads: int, seed: int, nice: int 
     )
 
 
-def _batch(examples: list[tuple[list[int], list[int]]], max_len: int, pad: int):
-    import torch
-
-    seqs, labels = [], []
-    for prompt, response in examples:
-        ids = (list(prompt) + list(response))[:max_len]
-        lab = ([-100] * len(prompt) + list(response))[:max_len]
-        seqs.append(ids)
-        labels.append(lab)
-    width = max(len(s) for s in seqs)
-    input_ids = torch.full((len(seqs), width), pad, dtype=torch.long)
-    label_ids = torch.full((len(seqs), width), -100, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, (s, lab) in enumerate(zip(seqs, labels)):
-        input_ids[i, : len(s)] = torch.tensor(s)
-        label_ids[i, : len(lab)] = torch.tensor(lab)
-        mask[i, : len(s)] = 1
-    return input_ids, label_ids, mask
-
-
-def _agreement(model, examples, max_len: int, pad: int) -> float:
-    """Fraction of response positions where the drafter's greedy token is the
-    sampled one: with greedy drafts, a proxy for the per-token acceptance."""
-    import torch
-
-    model.eval()
-    hits = total = 0
-    with torch.no_grad():
-        for i in range(0, len(examples), 16):
-            input_ids, labels, mask = _batch(examples[i : i + 16], max_len, pad)
-            logits = model(input_ids=input_ids, attention_mask=mask).logits[:, :-1]
-            target = labels[:, 1:]
-            valid = target != -100
-            hits += int(((logits.argmax(-1) == target) & valid).sum())
-            total += int(valid.sum())
-    model.train()
-    return hits / total if total else 0.0
-
-
 def _load_teacher(path: str) -> None:
     """The training process's policy copy takes a pushed version's weights."""
     from safetensors.torch import load_file
@@ -197,77 +161,6 @@ def _load_teacher(path: str) -> None:
     if missing or unexpected:
         raise ValueError(f"pushed policy weights do not fit the drafter's policy copy: missing {missing[:3]}, "
                          f"unexpected {unexpected[:3]}")
-
-
-def _teacher_targets(examples, max_len: int, pad: int, top_k: int) -> list[tuple[Any, Any]]:
-    """Per example, the policy's top-k next-token probabilities and their
-    token ids at every response position: ((n, k) float, (n, k) int)."""
-    import torch
-
-    teacher = _STATE["teacher"]
-    out = []
-    with torch.no_grad():
-        for i in range(0, len(examples), 16):
-            chunk = examples[i : i + 16]
-            input_ids, labels, mask = _batch(chunk, max_len, pad)
-            logp = torch.log_softmax(teacher(input_ids=input_ids, attention_mask=mask).logits[:, :-1].float(), -1)
-            valid = labels[:, 1:] != -100
-            k = min(top_k, logp.shape[-1])
-            for j in range(len(chunk)):
-                top = logp[j][valid[j]].topk(k, dim=-1)
-                out.append((top.values.exp().contiguous(), top.indices.to(torch.int32)))
-    return out
-
-
-def dense_targets(targets, labels):
-    """A batch's per-example top-k targets (from `_teacher_targets`) laid out
-    over the policy's positions 0..T-2: valid (B, T-1) bool, probs and ids
-    (B, T-1, k); zeros where no response token follows."""
-    import torch
-
-    valid = labels[:, 1:] != -100
-    k = targets[0][0].shape[-1]
-    probs = torch.zeros((*valid.shape, k))
-    ids = torch.zeros((*valid.shape, k), dtype=torch.long)
-    for j, (p, t) in enumerate(targets):
-        rows = valid[j].nonzero().squeeze(-1)
-        probs[j, rows] = p
-        ids[j, rows] = t.long()
-    return valid, probs, ids
-
-
-def _distill_loss(model, batch, targets, max_len: int, pad: int):
-    """Forward KL (up to the teacher's entropy) of the drafter from the
-    policy's top-k distributions at the batch's response positions."""
-    import torch
-
-    input_ids, labels, mask = _batch(batch, max_len, pad)
-    valid, probs, ids = dense_targets(targets, labels)
-    logq = torch.log_softmax(model(input_ids=input_ids, attention_mask=mask).logits[:, :-1], -1)
-    return -(probs * logq.gather(-1, ids)).sum(-1)[valid].mean()
-
-
-def _expected_acceptance(model, examples, targets, max_len: int, pad: int) -> float:
-    """Mean over response positions of sum_x min(p, q): the probability that
-    a draft token sampled from the drafter q is accepted by the policy p
-    (over the teacher's top-k: a lower bound, exact when k covers the
-    vocabulary)."""
-    import torch
-
-    model.eval()
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for i in range(0, len(examples), 16):
-            chunk, tchunk = examples[i : i + 16], targets[i : i + 16]
-            input_ids, labels, mask = _batch(chunk, max_len, pad)
-            q = torch.softmax(model(input_ids=input_ids, attention_mask=mask).logits[:, :-1], -1)
-            shifted = labels[:, 1:] != -100
-            for j, (p, t) in enumerate(tchunk):
-                qj = q[j][shifted[j]].gather(-1, t.long())
-                total += float(torch.minimum(p, qj).sum())
-                count += p.shape[0]
-    model.train()
-    return total / count if count else 0.0
 
 
 def _train_round(examples: list[tuple[list[int], list[int]]], fresh: list[tuple[list[int], list[int]]],
@@ -286,23 +179,24 @@ def _train_round(examples: list[tuple[list[int], list[int]]], fresh: list[tuple[
         return _train_eagle_round(examples, fresh, steps, batch_size, max_len, out_path, teacher_path, top_k)
     model, optimizer, rng, pad = _STATE["model"], _STATE["optimizer"], _STATE["rng"], _STATE["pad"]
     t0 = time.perf_counter()
-    distil = _STATE.get("teacher") is not None
+    teacher = _STATE.get("teacher")
+    distil = teacher is not None
     if distil:
         if teacher_path:
             _load_teacher(teacher_path)
-        targets = _teacher_targets(examples, max_len, pad, top_k)
-        fresh_targets = _teacher_targets(fresh, max_len, pad, top_k) if fresh else []
-        acceptance_before = _expected_acceptance(model, fresh, fresh_targets, max_len, pad) if fresh else 0.0
-    before = _agreement(model, fresh, max_len, pad) if fresh else 0.0
+        targets = teacher_targets(teacher, examples, max_len, pad, top_k)
+        fresh_targets = teacher_targets(teacher, fresh, max_len, pad, top_k) if fresh else []
+        acceptance_before = expected_acceptance(model, fresh, fresh_targets, max_len, pad) if fresh else 0.0
+    before = agreement(model, fresh, max_len, pad) if fresh else 0.0
     losses = []
     tokens = 0
     for _ in range(steps):
         picks = [rng.randrange(len(examples)) for _ in range(min(batch_size, len(examples)))]
         batch = [examples[i] for i in picks]
         if distil:
-            loss = _distill_loss(model, batch, [targets[i] for i in picks], max_len, pad)
+            loss = distill_loss(model, batch, [targets[i] for i in picks], max_len, pad)
         else:
-            input_ids, labels, mask = _batch(batch, max_len, pad)
+            input_ids, labels, mask = collate(batch, max_len, pad)
             loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -310,7 +204,7 @@ def _train_round(examples: list[tuple[list[int], list[int]]], fresh: list[tuple[
         optimizer.step()
         losses.append(float(loss.detach()))
         tokens += sum(min(len(p) + len(r), max_len) - min(len(p), max_len) for p, r in batch)
-    after = _agreement(model, fresh, max_len, pad) if fresh else 0.0
+    after = agreement(model, fresh, max_len, pad) if fresh else 0.0
     state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
     if _STATE["tied"]:
         state.pop("lm_head.weight", None)  # tied to the embedding; vLLM skips it
@@ -325,7 +219,7 @@ def _train_round(examples: list[tuple[list[int], list[int]]], fresh: list[tuple[
     }
     if distil and fresh:
         record["acceptance_before"] = acceptance_before
-        record["acceptance_after"] = _expected_acceptance(model, fresh, fresh_targets, max_len, pad)
+        record["acceptance_after"] = expected_acceptance(model, fresh, fresh_targets, max_len, pad)
     return record
 
 
@@ -341,8 +235,8 @@ def _train_eagle_round(examples, fresh, steps: int, batch_size: int, max_len: in
     t0 = time.perf_counter()
     if teacher_path:
         _load_teacher(teacher_path)
-    targets = _teacher_targets(examples, max_len, pad, top_k)
-    fresh_targets = _teacher_targets(fresh, max_len, pad, top_k) if fresh else []
+    targets = teacher_targets(teacher, examples, max_len, pad, top_k)
+    fresh_targets = teacher_targets(teacher, fresh, max_len, pad, top_k) if fresh else []
     before = eagle.acceptance(head, teacher, fresh, fresh_targets, 1, max_len, pad) if fresh else None
     _, _, losses = eagle.train_head(teacher, examples, targets, 0.0, steps, head=head, batch=batch_size,
                                     optimizer=_STATE["optimizer"], rng=_STATE["np_rng"], max_len=max_len, pad=pad)

@@ -36,6 +36,8 @@ from typing import Any
 
 import numpy as np
 
+from rollout_service.drafter.training import collate, dense_targets
+
 ARCHITECTURE = "EagleLlamaForCausalLM"
 #: Draft depths a head is trained at (it feeds itself DEPTH-1 times): deeper
 #: drafts than this get no training signal of their own.
@@ -292,11 +294,9 @@ def train_head(policy, examples, targets, lr: float, steps: int, depth: int = DE
     """Distill a head (a fresh one unless `head` is given; with `optimizer` and
     `rng` kept from an earlier call, training goes on where it stopped) from
     the policy on `examples` (prompt, response) with the policy's top-k
-    `targets` (from `drafter_trainer._teacher_targets`); returns (head,
+    `targets` (from `training.teacher_targets`); returns (head,
     seconds, losses)."""
     import torch
-
-    from rollout_service.drafter.drafter_trainer import _batch, dense_targets
 
     head = (head if head is not None else for_policy(policy, seed=seed)).train()
     optimizer = optimizer or torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
@@ -305,7 +305,7 @@ def train_head(policy, examples, targets, lr: float, steps: int, depth: int = DE
     losses = []
     for step in range(steps):
         picks = rng.integers(0, len(examples), min(batch, len(examples)))
-        input_ids, labels, mask = _batch([examples[i] for i in picks], max_len, pad)
+        input_ids, labels, mask = collate([examples[i] for i in picks], max_len, pad)
         valid, probs, ids = dense_targets([targets[i] for i in picks], labels)
         with torch.no_grad():
             _, feats = policy_features(policy, input_ids, mask)
@@ -335,15 +335,13 @@ def acceptance(head, policy, examples, targets, depth: int, max_len: int = MAX_L
     there (what a perfect greedy drafter would get) and the token count."""
     import torch
 
-    from rollout_service.drafter.drafter_trainer import _batch, dense_targets
-
     head.eval()
     greedy, sampled, count = np.zeros(depth), np.zeros(depth), np.zeros(depth)
     edges = torch.tensor(POSITION_BUCKETS[1:-1])
     by_pos = np.zeros((3, len(POSITION_BUCKETS) - 1))  # head's greedy, policy's ceiling, tokens
     with torch.no_grad():
         for i in range(0, len(examples), 16):
-            input_ids, labels, mask = _batch(examples[i:i + 16], max_len, pad)
+            input_ids, labels, mask = collate(examples[i:i + 16], max_len, pad)
             valid, probs, ids = dense_targets(targets[i:i + 16], labels)
             logits, feats = policy_features(policy, input_ids, mask)
             p = torch.zeros(logits[:, :-1].shape).scatter_(-1, ids, probs)
