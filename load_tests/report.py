@@ -5,7 +5,7 @@
     DIR/lengths_cdf.png  response-length CDF of the workload (all steps and each step)
     DIR/timeline_<policy>.png  running sequences per engine over time (white: idle)
 
-The schema is documented in docs/benchmarks.md.
+The schema is documented in docs/benchmarking.md#the-report.
 """
 from __future__ import annotations
 

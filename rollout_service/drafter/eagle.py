@@ -4,7 +4,7 @@ state instead of relearning it from the tokens.
 A standalone drafter (the bundled one-layer model) has to recompute, from
 the tokens alone, what the policy already computed; once the policy drifts
 it relearns that every version and stays short of a perfect drafter
-(docs/benchmarks.md, "A deeper drafter"). An EAGLE head drafts the next
+(docs/results.md#speculative-decoding). An EAGLE head drafts the next
 token from the pair (the policy's last hidden state at position i, the
 token sampled at i+1): one fully connected layer folds the token's
 embedding and the feature into one vector, one decoder layer (no input

@@ -63,7 +63,7 @@ PRESETS: dict[str, Preset] = {
     # 0.44M parameters: the bundled one-layer drafter plus one layer that adds
     # nothing until the online trainer teaches it. It drafts exactly as the
     # bundled one at first and follows a drifting policy further
-    # (docs/benchmarks.md, "A deeper drafter").
+    # (docs/results.md#speculative-decoding).
     "drafter": Preset(2, 384, "the online drafter: the bundled drafter plus a layer for the trainer to fill",
                       source="draft"),
 }
