@@ -28,7 +28,7 @@ A verified draft token is priced as what the calibration measured one more
 token of a decode batch to cost (`spec_verify_cost` 1.0: one more sequence,
 `decode_per_seq_s`), unless the cost model or `--sim` says otherwise; the
 simulated engine's own default (0, free verification) is a GPU's
-idealisation, and on a CPU it made speculation look 44% faster than measured.
+idealisation, which on a CPU makes speculation look faster than it is.
 """
 from __future__ import annotations
 
