@@ -1,6 +1,7 @@
 """The layer contract of docs/architecture.md (pyproject.toml, import-linter):
-dependencies point down only, the api never imports the vLLM engine, and the
-trainer client speaks only the wire contract."""
+dependencies point down only, the api never imports the vLLM engine, the
+trainer client speaks only the wire contract, and the server imports its
+client only in the client commands (`status`, `demo`)."""
 from __future__ import annotations
 
 import os
@@ -25,12 +26,26 @@ def test_the_code_keeps_the_layer_contract():
     assert "BROKEN" not in out.stdout
 
 
-def test_an_upward_import_breaks_the_contract(tmp_path):
+def _copy(tmp_path: Path) -> Path:
     for name in ("rollout_service", "trainer_client", "rollout_proto"):
         shutil.copytree(ROOT / name, tmp_path / name, ignore=shutil.ignore_patterns("*.safetensors", "__pycache__"))
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
-    types = tmp_path / "rollout_service" / "engines" / "types.py"
+    return tmp_path
+
+
+def test_an_upward_import_breaks_the_contract(tmp_path):
+    root = _copy(tmp_path)
+    types = root / "rollout_service" / "engines" / "types.py"
     types.write_text(types.read_text() + "\nfrom rollout_service.core.rollout import RolloutCore  # noqa\n")
-    out = _lint(tmp_path)
+    out = _lint(root)
     assert out.returncode != 0
     assert "rollout_service.engines.types -> rollout_service.core.rollout" in out.stdout
+
+
+def test_a_server_module_importing_the_client_breaks_the_contract(tmp_path):
+    root = _copy(tmp_path)
+    delivery = root / "rollout_service" / "core" / "delivery.py"
+    delivery.write_text(delivery.read_text() + "\nimport trainer_client  # noqa\n")
+    out = _lint(root)
+    assert out.returncode != 0
+    assert "rollout_service.core.delivery -> trainer_client" in out.stdout
