@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -12,15 +11,11 @@ import urllib.request
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from helpers import free_port
 
 
 def test_serve_answers_health_check_and_status_command():
-    grpc_port, http_port = _free_port(), _free_port()
+    grpc_port, http_port = free_port(), free_port()
     exe = [sys.executable, "-m", "rollout_service.cli"]
     server = subprocess.Popen(
         exe + ["serve", "--engine", "sim", "--grpc-port", str(grpc_port), "--http-port", str(http_port)],
@@ -57,7 +52,7 @@ def test_serve_answers_health_check_and_status_command():
 
 
 def test_status_of_an_absent_server_fails_clearly():
-    port = _free_port()
+    port = free_port()
     out = subprocess.run([sys.executable, "-m", "rollout_service.cli", "status", "--address", f"127.0.0.1:{port}",
                           "--timeout", "2"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 1

@@ -17,7 +17,7 @@ from trainer_client import (
     SyncRolloutClient,
 )
 
-from conftest import unique
+from helpers import unique
 
 CALLS = ("wait_ready", "submit", "submit_detailed", "ack", "abort", "push_weights", "push_weights_file",
          "push_weights_collective", "close_collective", "status", "continue_trajectory")

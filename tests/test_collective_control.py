@@ -16,8 +16,7 @@ from rollout_proto import rollout_pb2 as pb  # noqa: E402
 from trainer_client import PromptGroup  # noqa: E402
 from trainer_client.collective import free_port  # noqa: E402
 
-from conftest import connect, running, sim_config, unique  # noqa: E402
-from test_streaming import collect  # noqa: E402
+from helpers import collect, connect, running, sim_config, unique  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -15,29 +15,18 @@ import pytest
 pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 
-from rollout_service.config import EngineConfig, ServiceConfig  # noqa: E402
 from trainer_client import PromptGroup  # noqa: E402
 
-from conftest import connect, max_logprob_gap, running, unique, vllm_model  # noqa: E402
-from test_streaming import collect  # noqa: E402
-from test_vllm_engine import PROMPTS, _perturbed, _weights  # noqa: E402
+from helpers import (PROMPTS, bundled_weights, collect, connect, max_logprob_gap, perturbed, unique,  # noqa: E402
+                     vllm_model, wait_until)
 
-pytestmark = pytest.mark.vllm
 MODEL = vllm_model()
 TIMEOUT_S = 15.0  # the group's bound on every wait, kept short for the failure cases
 
 
-@pytest.fixture(scope="module")
-async def service():
-    cfg = ServiceConfig(grpc_port=0, http_port=0,
-                        engine=EngineConfig(kind="vllm", num_engines=2, model=MODEL, max_model_len=1024, max_seqs=16))
-    async with running(cfg) as service:
-        yield service
-
-
 @pytest.fixture
-async def client(service):
-    async with connect(service, "coll") as c:
+async def client(vllm_service):
+    async with connect(vllm_service, "coll") as c:
         yield c
 
 
@@ -62,9 +51,9 @@ def _payload(weights) -> int:
     return sum(t.numel() * t.element_size() for t in weights.values())
 
 
-async def test_collective_push_serves_the_pushed_weights(service, client):
+async def test_collective_push_serves_the_pushed_weights(vllm_service, client):
     version = (await client.status()).policy_version + 1
-    w = _perturbed(_weights())
+    w = perturbed(bundled_weights())
     reply = await _push(client, w, version)
     assert reply.applied_version == version
     assert reply.bytes_received == _payload(w)  # sent once for 2 engines and the stager (chain)
@@ -74,21 +63,21 @@ async def test_collective_push_serves_the_pushed_weights(service, client):
     # The staged copy (for engines that restart) holds the pushed weights.
     from safetensors.torch import load_file
 
-    staged = load_file(service.core.weight_sync.last.path)
+    staged = load_file(vllm_service.core.weight_sync.last.path)
     assert all(torch.equal(staged[k], w[k]) for k in w)
 
 
-async def test_push_mid_rollout_loses_and_duplicates_nothing(service, client):
+async def test_push_mid_rollout_loses_and_duplicates_nothing(vllm_service, client):
     start = (await client.status()).policy_version
     prefix = unique("mid")
     await client.submit([PromptGroup(prompt_token_ids=PROMPTS[i % 4], num_samples=2, max_tokens=120, temperature=1.0,
                                      group_id=f"{prefix}-{i}") for i in range(6)])
-    core = service.core
+    core = vllm_service.core
     deadline = time.time() + 60
     while not any(len(r.token_ids) > 4 for r, _ in core.running.values()):
         assert time.time() < deadline
         await asyncio.sleep(0.05)
-    await _push(client, _weights(), start + 1)
+    await _push(client, bundled_weights(), start + 1)
     samples = await collect(client, prefix, 12, timeout=240)
     assert len({s.sample_id for s in samples}) == 12
     assert all(s.finish_reason in ("stop", "length") for s in samples)
@@ -101,7 +90,7 @@ async def test_push_mid_rollout_loses_and_duplicates_nothing(service, client):
 
 async def test_manifest_mismatch_is_refused_naming_the_tensor(client):
     before = (await client.status()).policy_version
-    w = _weights()
+    w = bundled_weights()
     name = "model.layers.0.mlp.down_proj.weight"
     bad_shape = dict(w, **{name: w[name][:, :-1].contiguous()})
     with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -144,16 +133,16 @@ class _Stalling:
         return self.weights[name]
 
 
-async def test_trainer_stalling_mid_transfer_leaves_the_previous_version(service, client):
+async def test_trainer_stalling_mid_transfer_leaves_the_previous_version(vllm_service, client):
     before = (await client.status()).policy_version
-    w = _weights()
-    stall = _Stalling(_perturbed(w), after=len(w) // 2)
+    w = bundled_weights()
+    stall = _Stalling(perturbed(w), after=len(w) // 2)
     original = [s for s in await _greedy_tokens(client)]
     t0 = time.monotonic()
     push = asyncio.ensure_future(_push(client, stall, before + 1))
     # A second push while this one applies is refused, clearly.
-    await asyncio.sleep(3)
-    async with connect(service, "coll2") as other:
+    await wait_until(stall.stalled.is_set, 60, "the trainer to stall half-way through its weights")
+    async with connect(vllm_service, "coll2") as other:
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await _push(other, w, before + 2)
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "being applied" in err.value.details()
@@ -170,19 +159,19 @@ async def test_trainer_stalling_mid_transfer_leaves_the_previous_version(service
 
 
 @pytest.mark.parametrize("receive", ["staged", "direct"])
-async def test_generation_goes_on_while_a_staged_collective_push_is_received(service, client, receive):
+async def test_generation_goes_on_while_a_staged_collective_push_is_received(vllm_service, client, receive):
     """A trainer that sends slowly (it stalls half-way for a few seconds):
     with `collective_receive = "staged"` (the default) the engines go on
     generating with the serving version while they receive, and pause only
     to load the weights; `"direct"` loads as the bytes arrive and so stops
     generation for the whole transfer."""
-    core = service.core
+    core = vllm_service.core
     for engine in core.engines.values():
         engine.collective_receive = receive
     try:
         before = (await client.status()).policy_version
-        w = _weights()
-        stall = _Stalling(_perturbed(w), after=len(w) // 2)
+        w = bundled_weights()
+        stall = _Stalling(perturbed(w), after=len(w) // 2)
         prefix = unique(f"gen-{receive}")
         n = 32
         await client.submit([PromptGroup(prompt_token_ids=PROMPTS[i % 4], num_samples=2, max_tokens=200,
@@ -196,7 +185,9 @@ async def test_generation_goes_on_while_a_staged_collective_push_is_received(ser
         while not stall.stalled.is_set():  # half the tensors sent; the trainer stalls
             assert time.monotonic() < deadline, "the trainer never reached the middle of its weights"
             await asyncio.sleep(0.05)
-        await asyncio.sleep(0.5)  # tokens of a step that ran as the push began are counted
+        # The measurement: tokens generated over 2 s while the trainer stalls
+        # (after 0.5 s, so that a step that ran as the push began is not counted).
+        await asyncio.sleep(0.5)
         tokens0, running0 = core.counters["tokens_generated"], len(core.running)
         await asyncio.sleep(2.0)
         generated = core.counters["tokens_generated"] - tokens0
@@ -223,10 +214,10 @@ async def _greedy_tokens(client) -> list[list[int]]:
     return [got[f"{prefix}-{i}"] for i in range(len(PROMPTS))]
 
 
-async def test_engine_restarted_after_a_collective_push_comes_back_at_its_version(service, client):
-    core = service.core
+async def test_engine_restarted_after_a_collective_push_comes_back_at_its_version(vllm_service, client):
+    core = vllm_service.core
     version = (await client.status()).policy_version + 1
-    w = _perturbed(_weights())
+    w = perturbed(bundled_weights())
     await _push(client, w, version)
     victim = core.engines["vllm-1"]
     restarts = victim.restarts
@@ -238,5 +229,5 @@ async def test_engine_restarted_after_a_collective_push_comes_back_at_its_versio
     assert victim.load().policy_version == version
     assert await _sample_gap(client, w, version) < 1e-3  # both engines serve the pushed weights
     # The group lost a member: the next push forms it again by itself.
-    reply = await _push(client, _weights(), version + 1)
+    reply = await _push(client, bundled_weights(), version + 1)
     assert reply.applied_version == version + 1

@@ -14,8 +14,7 @@ from rollout_service.scheduling import make_placement
 from rollout_service.service import RolloutService
 from trainer_client import PromptGroup, RolloutClient
 
-from conftest import sim_config
-from test_streaming import collect
+from helpers import collect, sim_config
 
 
 def _specs(n: int, samples: int, lengths: list[int] | None = None) -> list[GroupSpec]:

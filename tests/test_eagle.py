@@ -4,9 +4,10 @@ a head built by `rollout-service build-eagle` serves with `method =
 a policy push through the embeddings it shares with the target, and is
 distilled online from the pushed policy.
 
-One service whose engine speculates with a head built for the module (a
-short build: 64 responses, 200 steps at draft depths 1-3), one plain engine
-as the reference.
+The engines are conftest's: the fleet `eagle_service`, whose engine
+speculates with the head `head_dir` builds once (a short build: 64
+responses, 200 steps at draft depths 1-3), and `plain_engine` as the
+reference (shared with test_spec_decode).
 """
 from __future__ import annotations
 
@@ -18,47 +19,14 @@ import pytest
 pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 
-from rollout_service.config import EngineConfig, ServiceConfig  # noqa: E402
 from rollout_service.drafter import SpecRuntime, eagle  # noqa: E402
 from rollout_service.engines.spec_config import SpecConfig  # noqa: E402
 from rollout_service.engines.vllm import VllmEngine  # noqa: E402
 
-from conftest import running, vllm_model  # noqa: E402
-from test_spec_decode import (PROMPT, assert_same_distribution, feed_samples, greedy_acceptance,  # noqa: E402
-                              plain_engine, problem_prompts, sample, staged, swapped)  # noqa: F401 (a fixture)
+from helpers import (PROMPT, assert_same_distribution, eagle_cfg, feed_samples, greedy_acceptance,  # noqa: E402
+                     problem_prompts, sample, staged, swapped, vllm_model)
 
-pytestmark = pytest.mark.vllm
 MODEL = vllm_model()
-MAX_SEQS = 64
-K = 3
-ALWAYS = [[1, MAX_SEQS, K]]
-
-
-@pytest.fixture(scope="module")
-def head_dir(tmp_path_factory) -> str:
-    from rollout_service.drafter.build_eagle import build
-
-    out = tmp_path_factory.mktemp("eagle")
-    summary = build(out, target=MODEL, samples=64, held_out=16, max_tokens=120, steps=200, depth=3, threads=1)
-    assert summary["held_out_acceptance"]["greedy"] > 0.3, summary  # the build learnt something
-    # The report by response position: responses of at most 120 tokens all fall in the first range, and no
-    # greedy draft is accepted more often than the policy's own argmax would be.
-    by_position = summary["held_out_acceptance"]["greedy_by_position"]
-    assert by_position["0-150"]["tokens"] > 100 and not any(v["tokens"] for k, v in by_position.items() if k != "0-150")
-    assert 0.3 < by_position["0-150"]["head"] <= by_position["0-150"]["policy_ceiling"] <= 1.0 + 1e-6
-    return str(out)
-
-
-def eagle_cfg(head: str, **kw) -> dict:
-    return {"method": "eagle", "model": head, "num_speculative_tokens": K, "schedule": ALWAYS, **kw}
-
-
-@pytest.fixture(scope="module")
-async def eagle_service(head_dir):
-    cfg = ServiceConfig(grpc_port=0, http_port=0, engine=EngineConfig(
-        kind="vllm", num_engines=1, model=MODEL, max_model_len=1024, max_seqs=MAX_SEQS, spec=eagle_cfg(head_dir)))
-    async with running(cfg) as service:
-        yield service
 
 
 @pytest.fixture(scope="module")

@@ -696,13 +696,11 @@ def test_predict_what_if_replays_every_measured_trace_under_other_policies(tmp_p
         main(["predict", str(out), "--cost-model", str(fit), "--spec", "tune=false"])
 
 
-@pytest.mark.vllm
-def test_a_run_on_vllm_engines_times_the_host_speed_reference_around_each_policy(tmp_path, capsys):
+def test_a_run_on_vllm_engines_times_the_host_speed_reference_around_each_policy(tmp_path, capsys, own_vllm_engines):
     """A real-time run on vLLM CPU engines (the bundled model) times the
     host's speed reference before its fleet starts and after it stops, and
     `predict` with a calibration that timed one too scales that policy by
     the ratio of the two."""
-    pytest.importorskip("vllm")
     from load_tests import speed_reference
 
     out = tmp_path / "vllm-run"
@@ -758,15 +756,13 @@ def test_predict_replays_a_run_with_its_own_spec_overrides(tmp_path):
     assert predicted["priced"] == pytest.approx(predicted["free"], rel=0.02)
 
 
-@pytest.mark.vllm
-def test_the_draft_calibration_measures_real_engines_side_by_side_with_a_draft_model_attached(tmp_path):
+def test_the_draft_calibration_measures_real_engines_side_by_side_with_a_draft_model_attached(tmp_path, own_vllm_engines):
     """`calibrate --engines 2 --draft bundled` on the bundled model (batches
     up to 4, the tail's own size): two engines, one per core, measure at
     once; K=0 and verify steps are measured by engine steps, the fit is of
     the engines' mean steps, the acceptance pools both engines' drafts (on
     prompts of their own) as a rate per position, and the fit lands in
     `sim_params` for `run --cost-model`."""
-    pytest.importorskip("vllm")
     from load_tests.calibrate import main as calibrate
 
     out = tmp_path / "fit.json"
@@ -806,13 +802,11 @@ def test_the_draft_calibration_measures_real_engines_side_by_side_with_a_draft_m
     assert doc["draft_measurements_from"] == str(out)
 
 
-@pytest.mark.vllm
-def test_the_model_free_draft_calibration_measures_verify_steps_that_draft(tmp_path):
+def test_the_model_free_draft_calibration_measures_verify_steps_that_draft(tmp_path, own_vllm_engines):
     """`calibrate --draft ngram` on the bundled model: an n-gram engine's
     K=0 and verify steps on long prompts, where nearly every step finds a
     match and drafts, and the fit of what those drafts cost lands in
     `sim_params` for `predict` (no acceptance: the run's own)."""
-    pytest.importorskip("vllm")
     from load_tests.calibrate import main as calibrate
 
     out = tmp_path / "ngram.json"
@@ -856,11 +850,9 @@ def test_spec_tail_pace_per_sequence_does_not_depend_on_how_many_sequences_the_t
     assert narrow["tail_tokens_per_seq_s"] == pytest.approx(12.0, rel=0.01)
 
 
-@pytest.mark.vllm
-def test_a_benchmark_stopped_with_sigterm_stops_its_vllm_engines():
+def test_a_benchmark_stopped_with_sigterm_stops_its_vllm_engines(own_vllm_engines):
     """`kill` (SIGTERM) on a running benchmark: it exits, and the vLLM engine
     processes it started do not outlive it."""
-    pytest.importorskip("vllm")
     import os
     import signal
     import subprocess

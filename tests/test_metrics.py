@@ -5,8 +5,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 from trainer_client import PromptGroup
 
-from conftest import unique
-from test_streaming import collect
+from helpers import collect, unique
 
 
 async def _scrape(port) -> dict[str, list]:
@@ -125,7 +124,7 @@ async def test_spec_metrics_per_engine(monkeypatch):
     engines speculate."""
     from rollout_service.service import RolloutService
 
-    from conftest import sim_config
+    from helpers import sim_config
 
     spec = {"method": "draft_model", "num_speculative_tokens": 3, "schedule": [[1, 4, 3], [5, 64, 0]]}
     service = RolloutService(sim_config(num_engines=1, spec=spec))

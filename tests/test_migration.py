@@ -14,10 +14,7 @@ from rollout_service.scheduling.length_predictor import LengthPredictor  # noqa:
 from rollout_service.scheduling.rebalancer import RebalanceConfig  # noqa: E402
 from trainer_client import PromptGroup  # noqa: E402
 
-from conftest import unique  # noqa: E402
-from test_streaming import collect  # noqa: E402
-
-pytestmark = pytest.mark.vllm
+from helpers import collect, unique  # noqa: E402
 
 
 def _problems(n):

@@ -8,8 +8,8 @@ measured on vLLM's own prefix-cache counters, an engine killed in the
 middle of a trajectory, and the official openai client holding a
 multi-turn conversation with stop strings on the side server.
 
-One service with 2 engines serves the whole module (~30 s per engine to
-start here)."""
+The session's fleet of 2 engines (`vllm_service`, whose `check`
+environment is `helpers.check_step`) serves the module."""
 from __future__ import annotations
 
 import asyncio
@@ -25,47 +25,18 @@ import pytest
 pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 
-from rollout_service.config import EngineConfig, ServiceConfig  # noqa: E402
-from rollout_service.lifecycle.types import EnvReply, EnvRequest  # noqa: E402
 from rollout_service.tasks import tokenizer as tok  # noqa: E402
 from rollout_service.tasks.generator import iter_problems, reference_solution  # noqa: E402
 from trainer_client import MultiTurn, PromptGroup  # noqa: E402
 
-from conftest import connect, running, unique, vllm_model  # noqa: E402
+from helpers import TOOL_LATENCY_S, bundled_weights, connect, perturbed, unique, wait_until  # noqa: E402
 
-pytestmark = pytest.mark.vllm
-MODEL = vllm_model()
 NEWLINE = tok.VOCAB["\n"]
-TOOL_LATENCY_S = 0.05
-
-
-async def check_step(req: EnvRequest) -> EnvReply:
-    """The environment: checks the line the policy just wrote against the
-    reference solution's step (group metadata `reference`) and answers with
-    the right step; done after the last step."""
-    await asyncio.sleep(TOOL_LATENCY_S)  # a tool call
-    steps = req.metadata["reference"].splitlines()
-    if req.turn + 1 >= len(steps):
-        return EnvReply(done=True)
-    wrote = tok.decode(req.turn_token_ids).strip()
-    verdict = "ok" if wrote == steps[req.turn] else "no"
-    return EnvReply(observation_token_ids=tok.encode(f"{verdict}> {steps[req.turn]}\n"))
-
-
-@pytest.fixture(scope="module")
-async def service():
-    cfg = ServiceConfig(
-        grpc_port=0, http_port=0,
-        engine=EngineConfig(kind="vllm", num_engines=2, model=MODEL, max_model_len=1024, max_seqs=32),
-        environments={"check": {"entry_point": "test_multiturn_vllm:check_step", "timeout_s": 60}},
-    )
-    async with running(cfg) as s:
-        yield s
 
 
 @pytest.fixture
-async def vc(service):
-    async with connect(service, "mtv") as c:
+async def vc(vllm_service):
+    async with connect(vllm_service, "mtv") as c:
         yield c
 
 
@@ -107,14 +78,7 @@ def _mask_ok(s) -> None:
     assert all(s.logprobs[i] == 0.0 for i, m in enumerate(mask) if m == 0)
 
 
-def _perturbed(w):
-    g = torch.Generator().manual_seed(0)
-    return {k: v + 0.5 * v.std() * torch.randn(v.shape, generator=g) if v.ndim == 2 else v for k, v in w.items()}
-
-
 async def test_turns_masks_and_version_tags_across_a_weight_push(vc):
-    from safetensors.torch import load_file
-
     v0 = (await vc.status()).policy_version
     problem = _problems(1, seed=1)[0]
     g = _trainer_group(problem, samples=2, max_turns=3)
@@ -125,7 +89,7 @@ async def test_turns_masks_and_version_tags_across_a_weight_push(vc):
     assert all(e.versions and {v for v, _, _ in e.versions} == {v0} for e in first)
     # New weights between turns: the next turns are sampled (and their
     # context prefilled) by them; what was generated keeps its version.
-    await vc.push_weights(_perturbed(load_file(os.path.join(MODEL, "model.safetensors"))), version=v0 + 1)
+    await vc.push_weights(perturbed(bundled_weights()), version=v0 + 1)
     obs = {e.sample_id: tok.encode(f"> {reference_solution(problem).splitlines()[0]}\n") for e in first}
     for e in first:
         assert await vc.continue_trajectory(e.sample_id, 0, observation_token_ids=obs[e.sample_id]) is True
@@ -154,16 +118,16 @@ async def test_turns_masks_and_version_tags_across_a_weight_push(vc):
         for t in gen:
             ends_at_stop = s.response_token_ids[t.start + t.length - 1] in (NEWLINE, tok.EOS_ID)
             assert ends_at_stop or t.length == 24
-    await vc.push_weights(load_file(os.path.join(MODEL, "model.safetensors")), version=v0 + 2)
+    await vc.push_weights(bundled_weights(), version=v0 + 2)
 
 
-async def test_answers_are_idempotent_and_bad_ones_get_a_clear_status(service, vc):
+async def test_answers_are_idempotent_and_bad_ones_get_a_clear_status(vllm_service, vc):
     problem = _problems(1, seed=2)[0]
     g = _trainer_group(problem, samples=1, max_turns=3)
     other = PromptGroup(prompt_token_ids=tok.prompt_token_ids(_problems(1, seed=3)[0]), num_samples=2,
                         max_tokens=32, temperature=1.0, group_id=unique("single"))
     await vc.submit([g])
-    async with connect(service, "other") as oc:
+    async with connect(vllm_service, "other") as oc:
         await oc.submit([other])
         others = asyncio.create_task(_first_group(oc, other.group_id))
         await _answer_checks(vc, g, others)
@@ -213,11 +177,18 @@ async def _answer_checks(vc, g, others) -> None:
     assert all(e.state == "ready" for e in (await vc.status()).engines)
 
 
-async def _run_environment_trajectories(service, vc, n: int, seed: int) -> dict:
+async def _stats_settled(core) -> None:
+    """Until every engine's stat logger has reported a step with nothing
+    running or waiting: the prefix-cache counters hold every step that ran."""
+    await wait_until(lambda: all(e.load().running == 0 and e.load().waiting == 0 for e in core.engines.values()),
+                     30, "the engines' statistics of an idle step")
+
+
+async def _run_environment_trajectories(vllm_service, vc, n: int, seed: int) -> dict:
     """n environment-driven trajectories on distinct long prompts; what the
     engines' prefix caches and the turns measured."""
-    core = service.core
-    await asyncio.sleep(1.5)  # let the engines' stat loggers report what ran before
+    core = vllm_service.core
+    await _stats_settled(core)  # the engines' stat loggers have reported what ran before
     before = core.status()
     q0, h0 = before.prefix_cache_queried_tokens, before.prefix_cache_hit_tokens
     moves0 = before.counters.get("trajectory_moves", 0)
@@ -240,7 +211,7 @@ async def _run_environment_trajectories(service, vc, n: int, seed: int) -> dict:
             if len(samples) == n:
                 break
     wall = time.perf_counter() - t0
-    await asyncio.sleep(1.5)
+    await _stats_settled(core)
     after = core.status()
     queried, hits = after.prefix_cache_queried_tokens - q0, after.prefix_cache_hit_tokens - h0
     later_turns = [t.finished_at - t.started_at for s in samples for t in s.turns[1:] if t.kind == "generated"]
@@ -249,14 +220,14 @@ async def _run_environment_trajectories(service, vc, n: int, seed: int) -> dict:
             "moves": after.counters.get("trajectory_moves", 0) - moves0}
 
 
-async def test_affinity_raises_prefix_cache_hits_and_lowers_time_per_turn(service, vc):
-    core = service.core
+async def test_affinity_raises_prefix_cache_hits_and_lowers_time_per_turn(vllm_service, vc):
+    core = vllm_service.core
     assert core.affinity is True  # `session_affinity` defaults to on
-    await _run_environment_trajectories(service, vc, n=2, seed=10)  # warm-up: first requests compile, not measured
+    await _run_environment_trajectories(vllm_service, vc, n=2, seed=10)  # warm-up: first requests compile, not measured
     try:
-        with_affinity = await _run_environment_trajectories(service, vc, n=8, seed=11)
+        with_affinity = await _run_environment_trajectories(vllm_service, vc, n=8, seed=11)
         core.affinity = False  # least-assigned placement for every turn
-        without = await _run_environment_trajectories(service, vc, n=8, seed=12)
+        without = await _run_environment_trajectories(vllm_service, vc, n=8, seed=12)
     finally:
         core.affinity = True
     for s in with_affinity["samples"] + without["samples"]:
@@ -277,10 +248,10 @@ async def test_affinity_raises_prefix_cache_hits_and_lowers_time_per_turn(servic
     assert with_affinity["hit_rate"] > without["hit_rate"]
 
 
-async def test_openai_client_drives_a_multi_turn_conversation_with_stop_strings(service):
+async def test_openai_client_drives_a_multi_turn_conversation_with_stop_strings(vllm_service):
     openai = pytest.importorskip("openai")
-    oai = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{service.http_port}/v1", api_key="unused")
-    model = service.model_name
+    oai = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{vllm_service.http_port}/v1", api_key="unused")
+    model = vllm_service.model_name
     problem = _problems(1, seed=4)[0]
     conversation = problem.prompt
     replies = []
@@ -336,14 +307,14 @@ async def _kill_mid_turn(core, vc, stream, seed: int):
     return first, final, victim_id, partials
 
 
-async def test_an_engine_killed_in_the_middle_of_a_turn_loses_nothing(service, vc):
+async def test_an_engine_killed_in_the_middle_of_a_turn_loses_nothing(vllm_service, vc):
     """Killed while it generates a trajectory's second turn: the turn goes on
     elsewhere from the whole context (prompt, first turn, observation and
     the part of the turn generated so far). The kill may land after the
     engine already sent a turn's last token (the tiny model is fast): such a
     turn finishes on the victim, and the try is repeated (at most 3); so is
     a try whose second turns all ended before one was seen running."""
-    core = service.core
+    core = vllm_service.core
     stream = vc.stream(ack_every=1)
     moved = []
     for attempt in range(3):

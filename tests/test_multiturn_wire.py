@@ -14,7 +14,7 @@ from rollout_proto import rollout_pb2 as pb
 from rollout_service.tasks import tokenizer as char_tok
 from trainer_client import MultiTurn, PromptGroup, RolloutClient
 
-from conftest import connect, running, sim_config, unique
+from helpers import connect, running, sim_config, unique
 
 PROMPT = [1, 10, 11, 12, 13]
 OBS = 4

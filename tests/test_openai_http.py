@@ -272,7 +272,6 @@ def _collatz_prompt() -> str:
     return make_problem("collatz", [27]).prompt  # a long answer
 
 
-@pytest.mark.vllm
 async def test_two_turn_chat_with_a_stop_string_on_vllm(voai, vllm_service):
     model = vllm_service.model_name
     messages = [{"role": "user", "content": _collatz_prompt()}]
@@ -308,7 +307,6 @@ async def test_two_turn_chat_with_a_stop_string_on_vllm(voai, vllm_service):
         assert r2.usage.completion_tokens == 40
 
 
-@pytest.mark.vllm
 async def test_min_tokens_and_ignore_eos_on_vllm(voai, vllm_service):
     from rollout_service.tasks.generator import make_problem
 
@@ -325,7 +323,6 @@ async def test_min_tokens_and_ignore_eos_on_vllm(voai, vllm_service):
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == n + 30
 
 
-@pytest.mark.vllm
 async def test_include_usage_and_top_logprobs_on_vllm(voai, vllm_service):
     model = vllm_service.model_name
     messages = [{"role": "user", "content": _collatz_prompt()}]

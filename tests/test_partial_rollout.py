@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 
 import pytest
 
@@ -13,10 +12,8 @@ torch = pytest.importorskip("torch")
 from rollout_service.partial import CarryOverConfig  # noqa: E402
 from trainer_client import PromptGroup, StepRollout  # noqa: E402
 
-from conftest import unique, vllm_model  # noqa: E402
-from test_streaming import collect  # noqa: E402
+from helpers import bundled_weights, collect, unique, wait_until  # noqa: E402
 
-pytestmark = pytest.mark.vllm
 PROMPT = [1, 40, 41, 42, 14]
 
 
@@ -28,12 +25,6 @@ def carry_mode(service, **kw):
         yield
     finally:
         service.core.carry_over = saved
-
-
-def _weights():
-    from safetensors.torch import load_file
-
-    return load_file(os.path.join(vllm_model(), "model.safetensors"))
 
 
 async def _push_mid_generation(service, client, prefix, n=8, max_tokens=400, attempts=5):
@@ -58,7 +49,7 @@ async def _push_mid_generation(service, client, prefix, n=8, max_tokens=400, att
     else:
         pytest.fail(f"{attempts} groups finished before any sample was seen half-way")
     old = service.core.policy_version
-    reply = await client.push_weights(_weights(), version=old + 1)
+    reply = await client.push_weights(bundled_weights(), version=old + 1)
     assert reply.applied_version == old + 1
     return old, await collect(client, gid, n, timeout=240)
 
@@ -126,11 +117,11 @@ async def test_max_version_lag_bounds_staleness_and_loses_nothing(vllm_service, 
 
         task = asyncio.create_task(consume())
         for _ in range(3):
-            await asyncio.sleep(0.4)
+            await asyncio.sleep(0.4)  # pushes paced through the rollout: the behaviour under test
             if task.done():
                 break
             v = vllm_service.core.policy_version
-            await vclient.push_weights(_weights(), version=v + 1)
+            await vclient.push_weights(bundled_weights(), version=v + 1)
         await asyncio.wait_for(task, 240)
     assert len({s.sample_id for s in delivered}) == 24  # each once, none lost
     for s, current in zip(delivered, versions_at_delivery):
@@ -144,9 +135,9 @@ async def test_stale_groups_can_be_dropped_with_a_reason(vllm_service, vclient):
         await vclient.submit([PromptGroup(prompt_token_ids=PROMPT, num_samples=4, max_tokens=400, temperature=1.0,
                                           group_id=gid)])
         group = vllm_service.core.groups[gid]
-        while not any(len(r.token_ids) >= 5 and r.finish_reason is None for r in group.requests):
-            await asyncio.sleep(0.005)
-        await vclient.push_weights(_weights(), version=vllm_service.core.policy_version + 1)
+        await wait_until(lambda: any(len(r.token_ids) >= 5 and r.finish_reason is None for r in group.requests),
+                         120, "a sample of the group 5 tokens in", interval=0.005)
+        await vclient.push_weights(bundled_weights(), version=vllm_service.core.policy_version + 1)
         samples = await collect(vclient, gid, 4, timeout=120)
     assert len({s.sample_id for s in samples}) == 4
     dropped = [s for s in samples if s.drop_reason]
@@ -172,5 +163,5 @@ async def test_step_rollout_hands_over_oldest_complete_groups(vllm_service, vcli
         for g in groups:
             assert len(g) == 2 and g[0].group_id not in seen
             seen.add(g[0].group_id)
-        await vclient.push_weights(_weights(), version=vllm_service.core.policy_version + 1)
+        await vclient.push_weights(bundled_weights(), version=vllm_service.core.policy_version + 1)
     assert steps.in_flight <= 6

@@ -1,60 +1,25 @@
 """The engine fleet as Ray actors on a local Ray cluster: a head and one
 worker node, each a separate set of Ray processes on this machine.
 
-The simulated-engine tests are quick; the vLLM test runs 2 real vLLM CPU
-engines as actors, one per node (~1 minute)."""
+The cluster is conftest's `ray_cluster`, shared by the module. The
+simulated-engine tests start services of their own (quick); the vLLM tests
+share conftest's `ray_vllm_service`, 2 real vLLM CPU engines as actors, one
+per node, started after the simulated tests are done with the cluster's CPUs."""
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
-import time
 
 import numpy as np
 import pytest
 
 ray = pytest.importorskip("ray")
 
-from ray.cluster_utils import Cluster  # noqa: E402
-
-from rollout_service.config import EngineConfig, RayConfig, ServiceConfig  # noqa: E402
 from rollout_service.service import RolloutService  # noqa: E402
 from trainer_client import PromptGroup, RolloutClient  # noqa: E402
 
-from conftest import FAST_SIM, unique, vllm_model  # noqa: E402
-from test_streaming import collect  # noqa: E402
-
-STORE = 256 * 1024**2  # object store per node (bytes)
-
-
-def add_node(cluster: Cluster):
-    """A worker node with 1 CPU. Ray gives a node 30 s to register; a
-    loaded machine can take longer to start its Python agents: try again."""
-    for attempt in range(3):
-        try:
-            return cluster.add_node(num_cpus=1, object_store_memory=STORE)
-        except Exception:
-            if attempt == 2:
-                raise
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    """A Ray head node and one worker node; 1 CPU each, so that a
-    placement group of 1-CPU bundles spreads over both."""
-    c = Cluster(initialize_head=True, head_node_args=dict(num_cpus=1, object_store_memory=STORE, include_dashboard=False))
-    worker = add_node(c)
-    ray.init(address=c.address, include_dashboard=False, log_to_driver=True)
-    c.worker = worker
-    yield c
-    ray.shutdown()
-    c.shutdown()
-
-
-def ray_config(cluster, **engine) -> ServiceConfig:
-    ray_cfg = RayConfig(address=cluster.address, cpus_per_engine=engine.pop("cpus", 1.0), heartbeat_s=0.1)
-    return ServiceConfig(grpc_port=0, http_port=0,
-                         engine=EngineConfig(placement_backend="ray", ray=ray_cfg, **engine))
+from helpers import (FAST_SIM, add_ray_node, bundled_weights, collect, perturbed, ray_config, unique,  # noqa: E402
+                     vllm_model, wait_until)
 
 
 def check_versions(sample, allowed: set[int]) -> None:
@@ -64,13 +29,6 @@ def check_versions(sample, allowed: set[int]) -> None:
     assert starts == sorted(starts)
     versions = [v for v, _, _ in sample.versions]
     assert versions == sorted(versions) and set(versions) <= allowed, sample.versions
-
-
-async def wait_until(predicate, timeout: float, what: str) -> None:
-    deadline = time.time() + timeout
-    while not predicate():
-        assert time.time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.05)
 
 
 def test_ray_flag_and_toml_table_select_ray_placement(tmp_path):
@@ -91,11 +49,11 @@ def test_ray_flag_and_toml_table_select_ray_placement(tmp_path):
     assert (cfg.engine.placement_backend, cfg.engine.ray.strategy, cfg.engine.ray.engines_per_actor) == ("ray", "PACK", 4)
 
 
-async def test_sim_actors_serve_push_weights_and_survive_a_killed_actor(cluster):
+async def test_sim_actors_serve_push_weights_and_survive_a_killed_actor(ray_cluster):
     # Steps of 20 ms: the shortest response lasts over a second, so that a
     # request on sim-1 is seen mid-flight even when a loaded host coalesces
     # the actor's event batches (at 4 ms a whole response could arrive in one).
-    service = RolloutService(ray_config(cluster, kind="sim", num_engines=4, cpus=0.5,
+    service = RolloutService(ray_config(ray_cluster, kind="sim", num_engines=4, cpus=0.5,
                                         sim=dict(FAST_SIM, decode_base_s=0.02)))
     await service.start()
     core = service.core
@@ -143,14 +101,14 @@ async def test_sim_actors_serve_push_weights_and_survive_a_killed_actor(cluster)
         await service.stop()
 
 
-async def test_speculation_of_an_engine_in_an_actor_is_declared_and_mirrored(cluster):
+async def test_speculation_of_an_engine_in_an_actor_is_declared_and_mirrored(ray_cluster):
     """`engine.speculation` of a Ray engine reaches the actor's engine (depth
     schedule, draft weights) and mirrors its statistics and draft version;
     `describe()` says where and what the engine is."""
     from rollout_service.engines.weights import StagedWeights, WeightTensor
 
     spec = {"method": "draft_model", "num_speculative_tokens": 3, "schedule": [[1, 64, 3]]}
-    service = RolloutService(ray_config(cluster, kind="sim", num_engines=2, cpus=0.5, spec=spec,
+    service = RolloutService(ray_config(ray_cluster, kind="sim", num_engines=2, cpus=0.5, spec=spec,
                                         sim=dict(FAST_SIM, decode_base_s=0.002)))
     await service.start()
     core = service.core
@@ -178,16 +136,16 @@ async def test_speculation_of_an_engine_in_an_actor_is_declared_and_mirrored(clu
         await service.stop()
 
 
-async def test_a_dead_node_s_engines_come_back_when_a_node_joins(cluster):
+async def test_a_dead_node_s_engines_come_back_when_a_node_joins(ray_cluster):
     """The worker node dies: its engines' requests finish on the head's
     engines; the engines stay down (no free resources) until a new node
     joins, then come back on it."""
-    service = RolloutService(ray_config(cluster, kind="sim", num_engines=4, cpus=0.5,
+    service = RolloutService(ray_config(ray_cluster, kind="sim", num_engines=4, cpus=0.5,
                                         sim=dict(FAST_SIM, decode_base_s=0.01)))
     await service.start()
     core = service.core
     try:
-        on_worker = [e for e in core.engines.values() if e.node_id == cluster.worker.node_id]
+        on_worker = [e for e in core.engines.values() if e.node_id == ray_cluster.worker.node_id]
         assert on_worker
         async with RolloutClient(f"127.0.0.1:{service.grpc_port}", consumer_id=unique("node")) as client:
             prefix = unique("n")
@@ -195,12 +153,12 @@ async def test_a_dead_node_s_engines_come_back_when_a_node_joins(cluster):
                                              metadata={"sim.target_lengths": "200,900"}) for i in range(16)])
             await wait_until(lambda: any(r.engine_id == on_worker[0].engine_id and r.token_ids for r, _ in core.running.values()),
                              30, "tokens on the worker node")
-            cluster.remove_node(cluster.worker, allow_graceful=False)
+            ray_cluster.remove_node(ray_cluster.worker, allow_graceful=False)
             await wait_until(lambda: all(e.load().state != "ready" for e in on_worker), 60, "the node's death to be seen")
             samples = await collect(client, prefix, 64, timeout=180)
             assert all(e.load().state != "ready" for e in on_worker)  # no resources: still down
-            dead_node = cluster.worker.node_id
-            cluster.worker = add_node(cluster)
+            dead_node = ray_cluster.worker.node_id
+            ray_cluster.worker = add_ray_node(ray_cluster)
             await wait_until(lambda: all(e.load().state == "ready" and not core.is_restarting(e.engine_id) for e in on_worker),
                              90, "the engines to come back on the new node")
             assert dead_node not in {e.node_id for e in on_worker}
@@ -243,107 +201,83 @@ def _logprob_gaps(samples, weights_by_version) -> float:
     return worst
 
 
-def _original_and_perturbed(seed: int):
-    """The bundled model's weights, and a copy with every matrix perturbed."""
-    pytest.importorskip("vllm")
-    torch = pytest.importorskip("torch")
-    from safetensors.torch import load_file
-
-    original = load_file(os.path.join(vllm_model(), "model.safetensors"))
-    g = torch.Generator().manual_seed(seed)
-    return original, {k: v + 0.5 * v.std() * torch.randn(v.shape, generator=g) if v.ndim == 2 else v
-                      for k, v in original.items()}
-
-
-@pytest.mark.vllm
-async def test_vllm_actors_on_two_nodes_push_weights_and_recover_a_killed_actor(cluster):
-    original, perturbed = _original_and_perturbed(seed=1)
-    cfg = ray_config(cluster, kind="vllm", num_engines=2, model=vllm_model(), max_model_len=1024, max_seqs=32)
-    # Paused and resumed across the push: every token's context is computed
-    # by the weights its tag names, so the recomputation below is exact.
-    # (Under `continue`, tokens after a push attend to KV the old weights computed.)
-    cfg.carry_over.mode = "pause-resume"
-    service = RolloutService(cfg)
-    await service.start()
+async def test_vllm_actors_on_two_nodes_push_weights_and_recover_a_killed_actor(ray_vllm_service):
+    original = bundled_weights()
+    new = perturbed(original, seed=1)
+    service = ray_vllm_service  # carry-over `pause-resume`: every token's context is computed by its tag's weights
     core = service.core
-    try:
-        engines = list(core.engines.values())
-        assert len({e.node_id for e in engines}) == 2  # one engine on each of two nodes
-        async with RolloutClient(f"127.0.0.1:{service.grpc_port}", consumer_id=unique("vray")) as client:
-            prefix = unique("v")
-            prompts = [[1, 40, 41, 42, 14], [1, 55, 20, 33, 14], [1, 60, 61, 12, 30], [1, 25, 26, 27, 28]]
-            await client.submit([PromptGroup(prompt_token_ids=prompts[i % 4], num_samples=4, max_tokens=300,
-                                             temperature=1.0, group_id=f"{prefix}-{i}") for i in range(16)])
-            await wait_until(lambda: core.counters["tokens_generated"] > 200, 60, "tokens")
-            reply = await client.push_weights(perturbed, version=1)  # mid-rollout
-            assert reply.applied_version == 1
-            victim = core.engines["vllm-0"]
-            await wait_until(lambda: any(r.engine_id == "vllm-0" and len(r.token_ids) - r.segment_start > 5
-                                         for r, _ in core.running.values()), 60, "tokens on vllm-0 after the push")
-            pid, restarts = victim.actor_pid, victim.restarts
-            os.kill(pid, signal.SIGKILL)
-            samples = await collect(client, prefix, 64, timeout=300)
-            await wait_until(lambda: victim.restarts == restarts + 1 and victim.load().state == "ready"
-                             and not core.is_restarting("vllm-0"), 180, "the killed actor to come back")
-            assert victim.actor_pid not in (None, pid)
-            assert victim.load().policy_version == 1  # brought to the current weights
-            # The new actor serves, on version 1.
-            after = unique("after")
-            await client.submit([PromptGroup(prompt_token_ids=prompts[i % 4], num_samples=2, max_tokens=30,
-                                             temperature=1.0, group_id=f"{after}-{i}") for i in range(8)])
-            later = await collect(client, after, 16, timeout=120)
-            status = await client.status()
-        assert len(samples) == 64 and len({s.sample_id for s in samples}) == 64
-        assert all(s.finish_reason in ("stop", "length") for s in samples)
-        for s in samples:
-            check_versions(s, {0, 1})
-        assert any(s.min_version == 0 for s in samples) and any(s.max_version == 1 for s in samples)
-        assert any("vllm-0" in s.engines[:-1] for s in samples)  # continued elsewhere from a partial
-        assert status.counters["ray_actor_deaths"] >= 1 and status.counters["tokens_reprefilled"] > 0
-        assert all(s.min_version == s.max_version == 1 for s in later)
-        assert any(s.engines == ["vllm-0"] for s in later)
-        # Each token's tag names the weights that sampled it.
-        assert _logprob_gaps(samples + later, {0: original, 1: perturbed}) < 2e-3
-    finally:
-        await service.stop()
+    engines = list(core.engines.values())
+    assert len({e.node_id for e in engines}) == 2  # one engine on each of two nodes
+    async with RolloutClient(f"127.0.0.1:{service.grpc_port}", consumer_id=unique("vray")) as client:
+        v0 = (await client.status()).policy_version
+        prefix = unique("v")
+        prompts = [[1, 40, 41, 42, 14], [1, 55, 20, 33, 14], [1, 60, 61, 12, 30], [1, 25, 26, 27, 28]]
+        tokens0 = core.counters["tokens_generated"]
+        await client.submit([PromptGroup(prompt_token_ids=prompts[i % 4], num_samples=4, max_tokens=300,
+                                         temperature=1.0, group_id=f"{prefix}-{i}") for i in range(16)])
+        await wait_until(lambda: core.counters["tokens_generated"] > tokens0 + 200, 60, "tokens")
+        reply = await client.push_weights(new, version=v0 + 1)  # mid-rollout
+        assert reply.applied_version == v0 + 1
+        victim = core.engines["vllm-0"]
+        await wait_until(lambda: any(r.engine_id == "vllm-0" and len(r.token_ids) - r.segment_start > 5
+                                     for r, _ in core.running.values()), 60, "tokens on vllm-0 after the push")
+        pid, restarts = victim.actor_pid, victim.restarts
+        os.kill(pid, signal.SIGKILL)
+        samples = await collect(client, prefix, 64, timeout=300)
+        await wait_until(lambda: victim.restarts == restarts + 1 and victim.load().state == "ready"
+                         and not core.is_restarting("vllm-0"), 180, "the killed actor to come back")
+        assert victim.actor_pid not in (None, pid)
+        assert victim.load().policy_version == v0 + 1  # brought to the current weights
+        # The new actor serves, on the pushed version.
+        after = unique("after")
+        await client.submit([PromptGroup(prompt_token_ids=prompts[i % 4], num_samples=2, max_tokens=30,
+                                         temperature=1.0, group_id=f"{after}-{i}") for i in range(8)])
+        later = await collect(client, after, 16, timeout=120)
+        status = await client.status()
+    assert len(samples) == 64 and len({s.sample_id for s in samples}) == 64
+    assert all(s.finish_reason in ("stop", "length") for s in samples)
+    for s in samples:
+        check_versions(s, {v0, v0 + 1})
+    assert any(s.min_version == v0 for s in samples) and any(s.max_version == v0 + 1 for s in samples)
+    assert any("vllm-0" in s.engines[:-1] for s in samples)  # continued elsewhere from a partial
+    assert status.counters["ray_actor_deaths"] >= 1 and status.counters["tokens_reprefilled"] > 0
+    assert all(s.min_version == s.max_version == v0 + 1 for s in later)
+    assert any(s.engines == ["vllm-0"] for s in later)
+    # Each token's tag names the weights that sampled it.
+    assert _logprob_gaps(samples + later, {v0: original, v0 + 1: new}) < 2e-3
 
 
-@pytest.mark.vllm
-async def test_vllm_actors_join_a_collective_push_and_a_restarted_actor_comes_back_at_its_version(cluster):
+async def test_vllm_actors_join_a_collective_push_and_a_restarted_actor_comes_back_at_its_version(ray_vllm_service):
     """Engines behind Ray join the trainer's transfer group like local ones:
     the bytes go from the trainer to the actors' vLLM workers (sent once),
     the version is live on both, the samples are the pushed weights'; an
     actor killed afterwards comes back serving that version."""
-    _, perturbed = _original_and_perturbed(seed=2)
-    cfg = ray_config(cluster, kind="vllm", num_engines=2, model=vllm_model(), max_model_len=1024, max_seqs=16)
-    service = RolloutService(cfg)
-    await service.start()
+    new = perturbed(bundled_weights(), seed=2)
+    service = ray_vllm_service
     core = service.core
-    try:
-        async with RolloutClient(f"127.0.0.1:{service.grpc_port}", consumer_id=unique("vrayc")) as client:
-            reply = await client.push_weights_collective(perturbed, version=1, timeout_s=60, chunk_mb=4.0)
-            assert reply.applied_version == 1
-            assert reply.bytes_received == sum(t.numel() * t.element_size() for t in perturbed.values())
-            status = await client.status()
-            assert status.policy_version == 1 and all(e.policy_version == 1 for e in status.engines)
-            prompts = [[1, 40, 41, 42, 14], [1, 55, 20, 33, 14], [1, 60, 61, 12, 30], [1, 25, 26, 27, 28]]
-            prefix = unique("vc")
-            await client.submit([PromptGroup(prompt_token_ids=p, num_samples=4, max_tokens=24, temperature=1.0,
-                                             group_id=f"{prefix}-{i}") for i, p in enumerate(prompts)])
-            samples = await collect(client, prefix, 16, timeout=180)
-            victim = core.engines["vllm-1"]
-            pid, restarts = victim.actor_pid, victim.restarts
-            os.kill(pid, signal.SIGKILL)
-            await wait_until(lambda: victim.restarts == restarts + 1 and victim.load().state == "ready"
-                             and not core.is_restarting("vllm-1"), 180, "the killed actor to come back")
-            assert victim.load().policy_version == 1
-            after = unique("vc-after")
-            await client.submit([PromptGroup(prompt_token_ids=prompts[i % 4], num_samples=2, max_tokens=24,
-                                             temperature=1.0, group_id=f"{after}-{i}") for i in range(8)])
-            later = await collect(client, after, 16, timeout=180)
-        assert {e for s in samples for e in s.engines} == {"vllm-0", "vllm-1"}
-        assert any("vllm-1" in s.engines for s in later)
-        assert all(s.min_version == s.max_version == 1 for s in samples + later)
-        assert _logprob_gaps(samples + later, {1: perturbed}) < 2e-3
-    finally:
-        await service.stop()
+    async with RolloutClient(f"127.0.0.1:{service.grpc_port}", consumer_id=unique("vrayc")) as client:
+        version = (await client.status()).policy_version + 1
+        reply = await client.push_weights_collective(new, version=version, timeout_s=60, chunk_mb=4.0)
+        assert reply.applied_version == version
+        assert reply.bytes_received == sum(t.numel() * t.element_size() for t in new.values())
+        status = await client.status()
+        assert status.policy_version == version and all(e.policy_version == version for e in status.engines)
+        prompts = [[1, 40, 41, 42, 14], [1, 55, 20, 33, 14], [1, 60, 61, 12, 30], [1, 25, 26, 27, 28]]
+        prefix = unique("vc")
+        await client.submit([PromptGroup(prompt_token_ids=p, num_samples=4, max_tokens=24, temperature=1.0,
+                                         group_id=f"{prefix}-{i}") for i, p in enumerate(prompts)])
+        samples = await collect(client, prefix, 16, timeout=180)
+        victim = core.engines["vllm-1"]
+        pid, restarts = victim.actor_pid, victim.restarts
+        os.kill(pid, signal.SIGKILL)
+        await wait_until(lambda: victim.restarts == restarts + 1 and victim.load().state == "ready"
+                         and not core.is_restarting("vllm-1"), 180, "the killed actor to come back")
+        assert victim.load().policy_version == version
+        after = unique("vc-after")
+        await client.submit([PromptGroup(prompt_token_ids=prompts[i % 4], num_samples=2, max_tokens=24,
+                                         temperature=1.0, group_id=f"{after}-{i}") for i in range(8)])
+        later = await collect(client, after, 16, timeout=180)
+    assert {e for s in samples for e in s.engines} == {"vllm-0", "vllm-1"}
+    assert any("vllm-1" in s.engines for s in later)
+    assert all(s.min_version == s.max_version == version for s in samples + later)
+    assert _logprob_gaps(samples + later, {version: new}) < 2e-3

@@ -10,7 +10,7 @@ import time
 
 from trainer_client import PromptGroup, RolloutClient
 
-from test_cli import _free_port
+from helpers import free_port
 
 
 def _serve(grpc_port, http_port, state_dir):
@@ -23,7 +23,7 @@ def _serve(grpc_port, http_port, state_dir):
 
 
 async def test_sigterm_checkpoints_and_a_restarted_server_delivers_each_group_once(tmp_path):
-    grpc_port, http_port = _free_port(), _free_port()
+    grpc_port, http_port = free_port(), free_port()
     server = _serve(grpc_port, http_port, tmp_path)
     groups = [PromptGroup(prompt_token_ids=[1, 5, i], num_samples=4, max_tokens=1000, group_id=f"r{i}",
                           metadata={"sim.target_lengths": f"{50 + 40 * i},{300},{120},{400}"}) for i in range(12)]

@@ -17,8 +17,7 @@ from rollout_proto import rollout_pb2 as pb
 from rollout_service.service import RolloutService
 from trainer_client import PromptGroup, RolloutClient
 
-from conftest import sim_config, unique
-from test_streaming import collect
+from helpers import collect, sim_config, unique
 
 FUZZ_COUNT = {"messages": 0, "raw": 0}
 

@@ -12,8 +12,7 @@ from rollout_proto import rollout_pb2 as pb
 from rollout_service.service import RolloutService
 from trainer_client import PromptGroup, RolloutClient
 
-from conftest import sim_config, unique
-from test_streaming import collect
+from helpers import collect, sim_config, unique
 
 SUBMIT, WEIGHTS = "submit-secret-1", "weights-secret-2"
 

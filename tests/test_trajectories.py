@@ -269,7 +269,7 @@ async def echo_tool(req: EnvRequest) -> EnvReply:
 async def test_a_configured_entry_point_and_an_http_environment_drive_trajectories():
     from aiohttp import web
 
-    from conftest import running, sim_config
+    from helpers import running, sim_config
 
     seen = []
 

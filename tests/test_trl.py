@@ -9,7 +9,6 @@ import time
 
 import pytest
 
-pytestmark = pytest.mark.vllm
 trl = pytest.importorskip("trl")
 pytest.importorskip("datasets")
 

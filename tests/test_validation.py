@@ -11,8 +11,7 @@ import pytest
 from rollout_proto import rollout_pb2 as pb
 from trainer_client import PromptGroup
 
-from conftest import unique
-from test_streaming import collect
+from helpers import collect, unique
 
 
 def _group(**overrides) -> pb.PromptGroup:

@@ -130,7 +130,7 @@ async def test_trl_client_generates_and_pushes_with_a_token():
     from rollout_service.service import RolloutService
     from trainer_client.trl import RolloutServiceVLLMClient
 
-    from conftest import sim_config
+    from helpers import sim_config
 
     cfg = sim_config(num_engines=1)
     cfg.auth.weights_tokens = ["weights-secret"]

@@ -20,18 +20,9 @@ torch = pytest.importorskip("torch")
 from rollout_proto import rollout_pb2 as pb  # noqa: E402
 from trainer_client import PromptGroup  # noqa: E402
 
-from conftest import max_logprob_gap, unique, vllm_model  # noqa: E402
-from test_streaming import collect  # noqa: E402
+from helpers import PROMPTS, bundled_weights, collect, max_logprob_gap, perturbed, unique, vllm_model  # noqa: E402
 
-pytestmark = pytest.mark.vllm
 MODEL = vllm_model()
-PROMPTS = [[1, 40, 41, 42, 14], [1, 55, 20, 33, 14], [1, 60, 61, 12, 30], [1, 25, 26, 27, 28]]
-
-
-def _weights() -> dict[str, "torch.Tensor"]:
-    from safetensors.torch import load_file
-
-    return load_file(os.path.join(MODEL, "model.safetensors"))
 
 
 async def _greedy(client, prompts=PROMPTS, max_tokens=24) -> list[tuple[list[int], int]]:
@@ -57,18 +48,18 @@ async def _max_logprob_gap(vclient, weights) -> float:
 
 async def test_logprobs_match_transformers_recomputation(vclient):
     # Stated tolerance: 1e-3 nats per token (float32 on both sides, different kernels).
-    assert await _max_logprob_gap(vclient, _weights()) < 1e-3
+    assert await _max_logprob_gap(vclient, bundled_weights()) < 1e-3
 
 
 async def test_pushed_tied_embedding_reaches_the_output_layer(vclient):
     """The tiny model ties lm_head to the embedding: a push that changes only
     the embedding must change the output layer too (CPU repacking)."""
-    w = _weights()
+    w = bundled_weights()
     g = torch.Generator().manual_seed(1)
     emb = "model.embed_tokens.weight"
     w[emb] = w[emb] + 0.3 * w[emb].std() * torch.randn(w[emb].shape, generator=g)
     assert await _max_logprob_gap(vclient, w) < 1e-3
-    await vclient.push_weights(_weights(), version=(await vclient.status()).policy_version + 1)
+    await vclient.push_weights(bundled_weights(), version=(await vclient.status()).policy_version + 1)
 
 
 @pytest.mark.parametrize("to", ["engine", "queue"])
@@ -129,7 +120,7 @@ async def _raw_push(client, header, payload: bytes):
 async def test_corrupt_weight_pushes_leave_the_old_version_serving(vclient):
     before_version = (await vclient.status()).policy_version
     before = await _greedy(vclient)
-    w = _weights()
+    w = bundled_weights()
     name = next(iter(w))
     one = {name: w[name]}
     raw = one[name].contiguous().view(-1).view(torch.uint8).numpy().tobytes()
@@ -156,7 +147,7 @@ async def test_a_file_or_stream_that_does_not_fit_the_model_is_refused_naming_th
 
     before_version = (await vclient.status()).policy_version
     before = await _greedy(vclient)
-    w = _weights()
+    w = bundled_weights()
     name = next(n for n, t in w.items() if t.dim() == 2)
     cases = [
         ("unknown name", {**{k: v for k, v in w.items() if k != name}, "model.no_such.weight": w[name]},
@@ -181,11 +172,11 @@ async def test_a_file_or_stream_that_does_not_fit_the_model_is_refused_naming_th
 
 async def test_pushed_weights_change_outputs_and_tag_versions(vclient):
     start = (await vclient.status()).policy_version
-    w = _weights()
+    w = bundled_weights()
     await vclient.push_weights(w, version=start + 1)
     start += 1
     original = await _greedy(vclient)
-    reply = await vclient.push_weights(_perturbed(w), version=start + 1)
+    reply = await vclient.push_weights(perturbed(w), version=start + 1)
     assert reply.applied_version == start + 1
     changed = await _greedy(vclient)
     assert [t for t, _ in changed] != [t for t, _ in original]
@@ -196,16 +187,11 @@ async def test_pushed_weights_change_outputs_and_tag_versions(vclient):
     assert all(v == start + 2 for _, v in restored)
 
 
-def _perturbed(w):
-    g = torch.Generator().manual_seed(0)
-    return {k: v + 0.5 * v.std() * torch.randn(v.shape, generator=g) if v.ndim == 2 else v for k, v in w.items()}
-
-
 async def test_fast_path_push_from_a_file(vclient):
     start = (await vclient.status()).policy_version
-    await vclient.push_weights(_weights(), version=start + 1)
+    await vclient.push_weights(bundled_weights(), version=start + 1)
     original = await _greedy(vclient)
-    await vclient.push_weights(_perturbed(_weights()), version=start + 2)
+    await vclient.push_weights(perturbed(bundled_weights()), version=start + 2)
     assert [t for t, _ in await _greedy(vclient)] != [t for t, _ in original]
     reply = await vclient.push_weights_file(os.path.join(MODEL, "model.safetensors"), version=start + 3)
     assert reply.applied_version == start + 3
@@ -218,7 +204,7 @@ async def test_each_engine_reports_where_its_weight_reload_went(vllm_service, vc
     caplog.set_level(logging.INFO, logger="rollout_service.engines.vllm")
     start = (await vclient.status()).policy_version
     await vclient.push_weights_file(os.path.join(MODEL, "model.safetensors"), version=start + 1)
-    tensors = len(_weights())
+    tensors = len(bundled_weights())
     engines = list(vllm_service.core.engines.values())
     for engine in engines:
         report = engine.last_reload

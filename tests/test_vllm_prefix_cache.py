@@ -1,6 +1,6 @@
 """vLLM's prefix cache behind `VllmEngine`: its own counters in the engine's
-load, and `cache_salt` partitioning it (the bundled tiny model, float32, one
-CPU engine shared by the module)."""
+load, and `cache_salt` partitioning it (the bundled tiny model, float32, on
+conftest's `plain_engine`; each test's prompt is one no other test sends)."""
 from __future__ import annotations
 
 import asyncio
@@ -12,18 +12,15 @@ pytest.importorskip("vllm")
 from rollout_service.engines.types import EngineRequest, SamplingParams  # noqa: E402
 from rollout_service.engines.vllm import VllmEngine  # noqa: E402
 
-from conftest import unique, vllm_model  # noqa: E402
+from helpers import unique, vllm_model  # noqa: E402
 
-pytestmark = pytest.mark.vllm
 PROMPT = [1] + [3 + (13 * i) % 90 for i in range(599)]  # 600 tokens: several whole KV blocks
 
 
 @pytest.fixture(scope="module")
-async def engine():
-    e = VllmEngine("prefix", vllm_model(), max_seqs=8, max_model_len=1024, seed=0, vllm_args={"dtype": "float32"})
-    await e.start()
-    yield e
-    await e.close()
+def engine(plain_engine) -> VllmEngine:
+    assert plain_engine.describe().dtype == "float32"
+    return plain_engine
 
 
 async def _counted(engine: VllmEngine, prompt: list[int], salt: str = "") -> tuple[int, int]:

@@ -13,8 +13,7 @@ from rollout_service.engines.weights import read_safetensors
 from trainer_client import PromptGroup, RolloutClient
 from trainer_client import weights as wire
 
-from conftest import connect, running, sim_config, unique
-from test_streaming import collect
+from helpers import collect, connect, running, sim_config, unique, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -342,11 +341,8 @@ async def test_a_refused_or_abandoned_push_leaves_no_staging_file(service, rclie
         await rclient._push(half())
     # The service learns of the cancelled stream asynchronously (and may
     # not have read the header by then: then it made no file).
-    for _ in range(50):
-        if not any(os.path.exists(p) for p in paths):
-            break
-        await asyncio.sleep(0.05)
-    assert paths and not any(os.path.exists(p) for p in paths), paths
+    assert paths
+    await wait_until(lambda: not any(os.path.exists(p) for p in paths), 2.5, f"the push's files {paths} removed")
     await _still_serves(rclient, before)
 
 
@@ -408,13 +404,6 @@ async def test_a_trainer_that_stalls_before_the_trailer_leaves_the_previous_vers
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err.value.details()
     assert asyncio.get_running_loop().time() - t0 < 10
     await _still_serves(rclient, before)
-
-
-async def wait_until(predicate, timeout: float, what: str) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.05)
 
 
 async def _versions_after(client: RolloutClient, service, version: int) -> None:
