@@ -1,13 +1,15 @@
 # The README's commands: `make run` serves the embedded default, `make test`
-# runs the whole suite. Each sets up its own virtual environment (.venv) from
-# nothing and reuses it while pyproject.toml is unchanged.
+# runs the whole suite (what CI runs), `make test-fast` the tests that need no
+# vLLM engine, no Ray cluster and no long run. Each sets up its own virtual
+# environment (.venv) from nothing and reuses it while pyproject.toml is
+# unchanged.
 PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
 ARGS   ?=
 
-.PHONY: run test demo bench venv proto clean
+.PHONY: run test test-fast demo bench venv proto clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -26,8 +28,13 @@ demo: $(STAMP)
 	$(BIN)/rollout-service demo $(ARGS)
 
 # pytest exits 5 when it collects no tests; that is not a failure here.
+# The whole suite prints its 15 slowest tests.
 test: $(STAMP)
-	$(BIN)/python -m pytest $(ARGS); rc=$$?; if [ $$rc -eq 5 ]; then rc=0; fi; exit $$rc
+	$(BIN)/python -m pytest --durations=15 $(ARGS); rc=$$?; if [ $$rc -eq 5 ]; then rc=0; fi; exit $$rc
+
+# The fast tier (markers applied by tests/conftest.py): about a minute here.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not vllm and not ray and not slow" $(ARGS); rc=$$?; if [ $$rc -eq 5 ]; then rc=0; fi; exit $$rc
 
 bench: $(STAMP)
 	$(BIN)/python -m load_tests.delivery_throughput $(ARGS)
