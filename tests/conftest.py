@@ -1,22 +1,31 @@
 """Shared fixtures: a real service on loopback ports, talked to by the real
 client; the fleets of real vLLM CPU engines; the Ray cluster; the markers.
 
-Each fleet of vLLM engines is one fixture per configuration, started on
-first use (~20 s per engine here) and kept for the session by `Fleets`:
-starting one closes the live fleets that the running test module does not
-use, and a fleet closes after the last module that uses it, so memory holds
-only the engines of the running module (24 GiB here; 1 GiB of KV cache per
-engine). Test modules are ordered so that the modules on one fleet run
-together (each in its own order), after the modules that start no fleet:
-each configuration starts once. A module on `vllm_service` begins on the
-bundled weights, whatever the module before it pushed.
+Each fleet of vLLM engines is one fixture per configuration, kept for the
+session by `Fleets`. Test modules are ordered so that the modules on one
+fleet run together (each in its own order), after the modules that start no
+fleet: each configuration starts once. A fleet starts (~20 s per engine
+here, mostly imports on one core) in the background while the modules
+before its first run (from the start of the session, or of the group of
+modules before), and closes after its last, so memory holds the engines of
+the running group and of the next (24 GiB here; 1 GiB of KV cache per
+engine). The EAGLE head builds in a subprocess from the start of
+the session. A module on `vllm_service` begins on the bundled weights,
+whatever the module before it pushed.
 
 Markers come from the fixtures a test uses (`item.fixturenames`): `vllm`
 for real vLLM engines, `ray` for the Ray cluster, `slow` for the rest that
 take long. `make test-fast` runs the tests with none of them."""
 from __future__ import annotations
 
+import asyncio
+import json
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -25,10 +34,11 @@ from helpers import (RAY_STORE, SPEC_MAX_SEQS, add_ray_node, connect, eagle_cfg,
 from rollout_service.config import EngineConfig, ServiceConfig
 
 # The fleets, in the order their test modules run.
-FLEETS = ("vllm_service", "spec_service", "eagle_service", "plain_engine", "ray_vllm_service")
+FLEETS = ("vllm_service", "spec_service", "plain_engine", "sampled_drafts_engine", "stock_engine", "eagle_service",
+          "ray_vllm_service")
 # Fixtures that put a test on real vLLM engines: the fleets, and engines a
 # test starts for itself (directly, or through a command-line tool).
-VLLM_FIXTURES = frozenset(FLEETS) | {"sampled_drafts_engine", "stock_engine", "own_vllm_engines"}
+VLLM_FIXTURES = frozenset(FLEETS) | {"own_vllm_engines"}
 RAY_FIXTURES = frozenset({"ray_cluster"})
 # Tests on simulated engines (or none) that still take seconds, no fixture
 # of theirs saying so: what each costs here, and why.
@@ -91,46 +101,155 @@ async def client(sim_service):
 
 # -- real vLLM engines -------------------------------------------------------------------
 
+def _service_starter(cfg: ServiceConfig):
+    async def start():
+        cm = running(cfg)
+        return await cm.__aenter__(), lambda: cm.__aexit__(None, None, None)
+    return start
+
+
+def _engine_starter(engine_id: str, **kw):
+    async def start():
+        from rollout_service.engines.vllm import VllmEngine
+
+        engine = VllmEngine(engine_id, vllm_model(), max_seqs=SPEC_MAX_SEQS, max_model_len=1024, **kw)
+        try:
+            await engine.start()
+        except BaseException:
+            await engine.close()
+            raise
+        return engine, engine.close
+    return start
+
+
+def _vllm_service_config() -> ServiceConfig:
+    return ServiceConfig(
+        grpc_port=0, http_port=0,
+        engine=EngineConfig(kind="vllm", num_engines=2, model=vllm_model(), max_model_len=1024, max_seqs=32),
+        environments={"check": {"entry_point": "helpers:check_step", "timeout_s": 60}})
+
+
+# How each fleet starts: (fleet, async close). Those started from other
+# fixtures' values (the EAGLE head, the Ray cluster) take the request.
+STARTERS = {
+    "vllm_service": lambda request: _service_starter(_vllm_service_config()),
+    "spec_service": lambda request: _service_starter(ServiceConfig(grpc_port=0, http_port=0, engine=EngineConfig(
+        kind="vllm", num_engines=1, model=vllm_model(), max_model_len=1024, max_seqs=SPEC_MAX_SEQS, spec=spec_cfg()))),
+    "plain_engine": lambda request: _engine_starter("plain", cpu_bind="1", seed=1),
+    "sampled_drafts_engine": lambda request: _engine_starter(
+        "sampled-drafts", cpu_bind="0", seed=3, spec=spec_cfg(draft_sample_method="probabilistic")),
+    "stock_engine": lambda request: _engine_starter(
+        "stock", cpu_bind="0", seed=2, spec=spec_cfg(), env={"ROLLOUT_STOCK_SPEC_SAMPLER": "1"},
+        require_exact_sampler=False),
+    "eagle_service": lambda request: _service_starter(ServiceConfig(grpc_port=0, http_port=0, engine=EngineConfig(
+        kind="vllm", num_engines=1, model=vllm_model(), max_model_len=1024, max_seqs=SPEC_MAX_SEQS,
+        spec=eagle_cfg(request.getfixturevalue("head_dir"))))),
+    "ray_vllm_service": lambda request: _service_starter(_ray_vllm_config(request.getfixturevalue("ray_cluster"))),
+}
+# Fleets started ahead of their modules, while the modules before them run
+# (an engine's start-up is mostly imports, on one core). Engines spawn one at
+# a time, so an engine killed by a test restarts only after the start-ups
+# ahead of it: these are started when a module begins, not later. Not the
+# engines only test_spec_decode uses (memory), nor the Ray fleet, whose
+# actors need the CPUs that the simulated Ray tests use first; the EAGLE
+# fleet once its head is built.
+PRESTART = {
+    "vllm_service": lambda request: True,
+    "spec_service": lambda request: True,
+    "plain_engine": lambda request: True,
+    "eagle_service": lambda request: _eagle_built(request.config),
+}
+
+
 class Fleets:
-    """The session's live fleets, by fixture name. `acquire` starts one on
-    first use and closes the fleets the requesting module does not use."""
+    """The session's fleets, by fixture name: started when a module first
+    needs them (all of a module's at once) or ahead of it, closed after the
+    last module that uses them."""
 
     def __init__(self) -> None:
         self.live: dict[str, tuple[object, object]] = {}  # name -> (fleet, async close)
+        self.starting: dict[str, asyncio.Task] = {}  # name -> the task starting it
         self.bundled_version: dict[int, int] = {}  # id(service) -> the version that serves the bundled weights
+        self.closing: list[asyncio.Task] = []  # fleets closing in the background
 
-    async def acquire(self, name: str, request, start):
-        """The fleet `name`, started with `start()` -> (fleet, close) if it is
-        not live; any live fleet that no test of `request`'s module uses is
-        closed first."""
-        if name in self.live:
-            return self.live[name][0]
-        needed = _fleets_of_module(request)
-        for other in [n for n in self.live if n not in needed]:
+    def _start(self, name: str, request) -> asyncio.Task:
+        if name not in self.starting:
+            self.starting[name] = asyncio.ensure_future(STARTERS[name](request)())
+        return self.starting[name]
+
+    async def _ready(self, name: str) -> None:
+        if name not in self.live:
+            self.live[name] = await self.starting[name]
+
+    async def acquire(self, name: str, request):
+        """The fleet `name` for `request`'s module: the module's fleets are
+        started together if they are not live; then the fleets of the next
+        module on others start in the background."""
+        for other in [n for n in self.live if not _used_from(request, n)]:
             await self.release(other)
-        fleet, close = await start()
-        self.live[name] = (fleet, close)
-        return fleet
+        if name not in self.live:
+            module = _fleets_of_module(request)
+            for n in sorted(module, key=FLEETS.index):
+                self._start(n, request)
+            await asyncio.gather(*(self._ready(n) for n in module if n in self.starting))
+            self.prestart_next(request)
+        return self.live[name][0]
+
+    def prestart_next(self, request) -> None:
+        """Start, in the background, the fleets of the next module that uses
+        one not started yet (nothing when it needs one that cannot be)."""
+        items = request.session.items
+        for item in items[_last_index(request) + 1:]:
+            if {f for f in getattr(item, "fixturenames", ()) if f in FLEETS} - set(self.starting):
+                for n in sorted(_fleets_of_module_of(item, items) - set(self.starting), key=FLEETS.index):
+                    if n in PRESTART and PRESTART[n](request):
+                        self._start(n, request)
+                return
 
     async def done(self, name: str, request) -> None:
         """Close `name` when no test after `request`'s module uses it."""
-        module = _module(request.node)
-        items = request.session.items
-        last = max((i for i, item in enumerate(items) if _module(item) == module), default=len(items))
-        if name in self.live and not any(name in getattr(item, "fixturenames", ()) for item in items[last + 1:]):
+        after = request.session.items[_last_index(request) + 1:]
+        if name in self.live and not any(name in getattr(item, "fixturenames", ()) for item in after):
             await self.release(name)
 
     async def release(self, name: str) -> None:
+        """Close `name`: in the background (engines take seconds to exit),
+        but for the Ray fleet, which must be gone before its cluster."""
         _, close = self.live.pop(name)
-        await close()
+        del self.starting[name]
+        if name == "ray_vllm_service":
+            await close()
+        else:
+            self.closing.append(asyncio.ensure_future(close()))
 
     async def close(self) -> None:
+        for name, task in list(self.starting.items()):
+            if name not in self.live:
+                try:
+                    self.live[name] = await task
+                except Exception:
+                    del self.starting[name]
         for name in list(self.live):
             await self.release(name)
+        await asyncio.gather(*self.closing)
 
 
 def _module(node) -> str:
     return node.nodeid.split("::")[0]
+
+
+def _last_index(request) -> int:
+    """The index in the session's items of the last test of `request`'s
+    module (-1 for a session-scoped request)."""
+    if request.node is request.session:
+        return -1
+    module = _module(request.node)
+    return max(i for i, item in enumerate(request.session.items) if _module(item) == module)
+
+
+def _fleets_of_module_of(item, items) -> set[str]:
+    module = _module(item)
+    return {f for other in items if _module(other) == module for f in getattr(other, "fixturenames", ()) if f in FLEETS}
 
 
 def _fleets_of_module(request) -> set[str]:
@@ -139,30 +258,55 @@ def _fleets_of_module(request) -> set[str]:
             for f in getattr(item, "fixturenames", ()) if f in FLEETS}
 
 
+def _used_from(request, name: str) -> bool:
+    """Whether a test of `request`'s module, or of a later one, uses `name`."""
+    module = _module(request.node)
+    items = request.session.items
+    first = min(i for i, item in enumerate(items) if _module(item) == module)
+    return any(name in getattr(item, "fixturenames", ()) for item in items[first:])
+
+
+def _import_for_fleets() -> None:
+    """What a fleet's start-up imports in its thread, imported here first:
+    two threads importing transformers or vLLM for the first time at once
+    can see each other's modules half-initialized."""
+    pytest.importorskip("vllm")
+    import importlib
+
+    import transformers
+
+    for module in ("vllm.engine.arg_utils", "vllm.v1.engine.async_llm"):
+        importlib.import_module(module)
+
+    from rollout_service.factory import load_tokenizer, model_info
+
+    load_tokenizer(model_info(_vllm_service_config().engine))
+    transformers.AutoConfig.from_pretrained(vllm_model())
+
+
 @pytest.fixture(scope="session")
-async def fleets():
+async def fleets(request):
+    """The session's `Fleets`; the first fleet starts in the background at
+    once, while the modules without a fleet run."""
+    _import_for_fleets()
     registry = Fleets()
+    registry.prestart_next(request)
+    await asyncio.sleep(0)  # the start-up tasks begin
     yield registry
     await registry.close()
 
 
-def _service_starter(cfg: ServiceConfig):
-    async def start():
-        cm = running(cfg)
-        return await cm.__aenter__(), lambda: cm.__aexit__(None, None, None)
-    return start
-
-
-def _engine_starter(engine):
-    async def start():
-        await engine.start()
-        return engine, engine.close
-    return start
+@pytest.fixture(scope="session", autouse=True)
+def _fleets_ahead(request):
+    """Sets `fleets` up with the session when a selected test uses a fleet."""
+    if any(f in FLEETS for item in request.session.items for f in getattr(item, "fixturenames", ())):
+        request.getfixturevalue("fleets")
 
 
 async def _on_bundled_weights(fleets: Fleets, service) -> None:
-    """Every engine ready and serving the bundled weights (pushed as the next
-    version when a module before pushed others)."""
+    """Every engine ready (one a module before killed has come back) and
+    serving the bundled weights (pushed as the next version when a module
+    before pushed others)."""
     await wait_until(lambda: all(e.load().state == "ready" for e in service.core.engines.values())
                      and not any(service.core.is_restarting(e) for e in service.core.engines),
                      240, "every engine of the fleet to be ready")
@@ -179,11 +323,7 @@ async def vllm_service(fleets, request):
     float32, prefix caching on, up to 32 sequences each), with the `check`
     environment for multi-turn trajectories (`helpers.check_step`)."""
     pytest.importorskip("vllm")
-    cfg = ServiceConfig(
-        grpc_port=0, http_port=0,
-        engine=EngineConfig(kind="vllm", num_engines=2, model=vllm_model(), max_model_len=1024, max_seqs=32),
-        environments={"check": {"entry_point": "helpers:check_step", "timeout_s": 60}})
-    service = await fleets.acquire("vllm_service", request, _service_starter(cfg))
+    service = await fleets.acquire("vllm_service", request)
     await _on_bundled_weights(fleets, service)
     yield service
     await fleets.done("vllm_service", request)
@@ -200,20 +340,19 @@ async def spec_service(fleets, request):
     """1 real vLLM engine that speculates with the bundled drafter (K=3
     drafts at every batch size, up to 64 sequences)."""
     pytest.importorskip("vllm")
-    cfg = ServiceConfig(grpc_port=0, http_port=0, engine=EngineConfig(
-        kind="vllm", num_engines=1, model=vllm_model(), max_model_len=1024, max_seqs=SPEC_MAX_SEQS, spec=spec_cfg()))
-    yield await fleets.acquire("spec_service", request, _service_starter(cfg))
+    yield await fleets.acquire("spec_service", request)
     await fleets.done("spec_service", request)
 
 
 @pytest.fixture(scope="session")
-def head_dir(tmp_path_factory) -> str:
+def head_dir(request) -> str:
     """An EAGLE head built for the bundled reasoner by `rollout-service
-    build-eagle` (a short build: 64 responses, 200 steps at draft depths 1-3)."""
-    from rollout_service.drafter.build_eagle import build
-
-    out = tmp_path_factory.mktemp("eagle")
-    summary = build(out, target=vllm_model(), samples=64, held_out=16, max_tokens=120, steps=200, depth=3, threads=1)
+    build-eagle` (a short build: 64 responses, 200 steps at draft depths 1-3),
+    started in the background when the session's tests are known."""
+    build = request.config.stash.get(_EAGLE_BUILD, None) or _start_eagle_build(request.config)
+    proc, out = build
+    assert proc.wait(timeout=1200) == 0, (out.parent / f"{out.name}.log").read_text()[-3000:]
+    summary = json.loads((out / "eagle.json").read_text())
     assert summary["held_out_acceptance"]["greedy"] > 0.3, summary  # the build learnt something
     # The report by response position: responses of at most 120 tokens all fall in the first range, and no
     # greedy draft is accepted more often than the policy's own argmax would be.
@@ -223,14 +362,49 @@ def head_dir(tmp_path_factory) -> str:
     return str(out)
 
 
+_EAGLE_BUILD = pytest.StashKey[tuple]()
+
+
+def _start_eagle_build(config) -> tuple:
+    out = Path(tempfile.mkdtemp(prefix="eagle-head-"))
+    with open(out.parent / f"{out.name}.log", "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "rollout_service.cli", "build-eagle", "--out", str(out), "--target", vllm_model(),
+             "--samples", "64", "--held-out", "16", "--max-tokens", "120", "--steps", "200", "--depth", "3",
+             "--threads", "1"],
+            stdout=log, stderr=subprocess.STDOUT)
+    config.stash[_EAGLE_BUILD] = (proc, out)
+    return proc, out
+
+
+def _eagle_built(config) -> bool:
+    build = config.stash.get(_EAGLE_BUILD, None)
+    return build is not None and build[0].poll() == 0
+
+
+def pytest_collection_finish(session):
+    """The EAGLE head (one core for about a minute) builds while the tests
+    before the first that needs it run."""
+    if any("head_dir" in getattr(item, "fixturenames", ()) for item in session.items):
+        _start_eagle_build(session.config)
+
+
+def pytest_sessionfinish(session):
+    build = session.config.stash.get(_EAGLE_BUILD, None)
+    if build is not None:
+        proc, out = build
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        shutil.rmtree(out, ignore_errors=True)
+        (out.parent / f"{out.name}.log").unlink(missing_ok=True)
+
+
 @pytest.fixture(scope="module")
 async def eagle_service(fleets, request, head_dir):
     """1 real vLLM engine that speculates with the EAGLE head of `head_dir`."""
     pytest.importorskip("vllm")
-    cfg = ServiceConfig(grpc_port=0, http_port=0, engine=EngineConfig(
-        kind="vllm", num_engines=1, model=vllm_model(), max_model_len=1024, max_seqs=SPEC_MAX_SEQS,
-        spec=eagle_cfg(head_dir)))
-    yield await fleets.acquire("eagle_service", request, _service_starter(cfg))
+    yield await fleets.acquire("eagle_service", request)
     await fleets.done("eagle_service", request)
 
 
@@ -239,39 +413,26 @@ async def plain_engine(fleets, request):
     """1 real vLLM engine without speculation (the reference of the
     speculative engines; prefix caching on), on the second core."""
     pytest.importorskip("vllm")
-    from rollout_service.engines.vllm import VllmEngine
-
-    engine = VllmEngine("plain", vllm_model(), max_seqs=SPEC_MAX_SEQS, max_model_len=1024, cpu_bind="1", seed=1)
-    yield await fleets.acquire("plain_engine", request, _engine_starter(engine))
+    yield await fleets.acquire("plain_engine", request)
     await fleets.done("plain_engine", request)
 
 
-@pytest.fixture
-async def sampled_drafts_engine():
+@pytest.fixture(scope="module")
+async def sampled_drafts_engine(fleets, request):
     """1 engine whose drafts are sampled from the drafter (not argmax)."""
     pytest.importorskip("vllm")
-    from rollout_service.engines.vllm import VllmEngine
-
-    engine = VllmEngine("sampled-drafts", vllm_model(), max_seqs=SPEC_MAX_SEQS, max_model_len=1024, cpu_bind="0",
-                        seed=3, spec=spec_cfg(draft_sample_method="probabilistic"))
-    await engine.start()
-    yield engine
-    await engine.close()
+    yield await fleets.acquire("sampled_drafts_engine", request)
+    await fleets.done("sampled_drafts_engine", request)
 
 
-@pytest.fixture
-async def stock_engine():
+@pytest.fixture(scope="module")
+async def stock_engine(fleets, request):
     """1 speculating engine on vLLM's stock CPU rejection sampler
     (ROLLOUT_STOCK_SPEC_SAMPLER=1 in its processes, its refusal to run
     without the fix waived): the negative control of exactness."""
     pytest.importorskip("vllm")
-    from rollout_service.engines.vllm import VllmEngine
-
-    engine = VllmEngine("stock", vllm_model(), max_seqs=SPEC_MAX_SEQS, max_model_len=1024, cpu_bind="0", seed=2,
-                        spec=spec_cfg(), env={"ROLLOUT_STOCK_SPEC_SAMPLER": "1"}, require_exact_sampler=False)
-    await engine.start()
-    yield engine
-    await engine.close()
+    yield await fleets.acquire("stock_engine", request)
+    await fleets.done("stock_engine", request)
 
 
 @pytest.fixture
@@ -302,16 +463,20 @@ def ray_cluster():
     c.shutdown()
 
 
+def _ray_vllm_config(cluster) -> ServiceConfig:
+    cfg = ray_config(cluster, kind="vllm", num_engines=2, model=vllm_model(), max_model_len=1024, max_seqs=32)
+    # Paused and resumed across a push: every token's context is computed by
+    # the weights its tag names, so a recomputation is exact.
+    # (Under `continue`, tokens after a push attend to KV the old weights computed.)
+    cfg.carry_over.mode = "pause-resume"
+    return cfg
+
+
 @pytest.fixture(scope="module")
 async def ray_vllm_service(fleets, request, ray_cluster):
     """2 real vLLM engines as Ray actors, one on each node of `ray_cluster`
     (up to 32 sequences each); unfinished work is paused and re-prefilled
     across a push (carry-over `pause-resume`)."""
     pytest.importorskip("vllm")
-    cfg = ray_config(ray_cluster, kind="vllm", num_engines=2, model=vllm_model(), max_model_len=1024, max_seqs=32)
-    # Paused and resumed across a push: every token's context is computed by
-    # the weights its tag names, so a recomputation is exact.
-    # (Under `continue`, tokens after a push attend to KV the old weights computed.)
-    cfg.carry_over.mode = "pause-resume"
-    yield await fleets.acquire("ray_vllm_service", request, _service_starter(cfg))
+    yield await fleets.acquire("ray_vllm_service", request)
     await fleets.done("ray_vllm_service", request)

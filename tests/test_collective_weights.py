@@ -109,7 +109,7 @@ async def test_manifest_mismatch_is_refused_naming_the_tensor(client):
 
 class _Stalling:
     """A state dict whose iteration stalls (a trainer that hangs mid-send)
-    after `after` tensors, until released."""
+    after `after` tensors, until released (or twice the group's timeout)."""
 
     def __init__(self, weights, after: int) -> None:
         self.weights, self.after = weights, after
@@ -129,7 +129,7 @@ class _Stalling:
     def __getitem__(self, name):
         if name == self.stall_at:
             self.stalled.set()
-            self.release.wait(TIMEOUT_S * 3)
+            self.release.wait(TIMEOUT_S * 2)
         return self.weights[name]
 
 

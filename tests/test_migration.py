@@ -37,7 +37,7 @@ async def _run(vclient, core, problems, samples, migrate_at=None, max_tokens=256
                     if (req.group.group_id.startswith(prefix) and req.num_migrations == 0
                             and req.engine_id is not None and len(req.token_ids) >= migrate_at):
                         await core.migrate(req, next(e for e in engines if e != req.engine_id))
-                await asyncio.sleep(0.002)
+                await asyncio.sleep(0.002)  # the mover's pace: it runs beside the rollout until cancelled
 
         mover = asyncio.create_task(move_all())
     try:
@@ -94,4 +94,4 @@ async def _tick(core):
     while True:
         with contextlib.suppress(Exception):
             await core.rebalance_once()
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.01)  # the rebalancer's pace, until cancelled

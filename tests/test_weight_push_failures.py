@@ -396,7 +396,7 @@ async def test_a_trainer_that_stalls_before_the_trailer_leaves_the_previous_vers
     async def stalled():
         for m in msgs:  # all the data, then nothing
             yield m
-        await asyncio.sleep(30)
+        await asyncio.sleep(30)  # the trainer stalls: the service's idle timeout ends the push long before
 
     t0 = asyncio.get_running_loop().time()
     with pytest.raises(grpc.aio.AioRpcError) as err:
