@@ -43,7 +43,6 @@ RAY_FIXTURES = frozenset({"ray_cluster"})
 # Tests on simulated engines (or none) that still take seconds, no fixture
 # of theirs saying so: what each costs here, and why.
 SLOW = {
-    "test_core_failures.py::test_100k_aborted_groups_leave_no_state_in_the_length_predictor": "~50 s: 100,000 groups",
     "test_tiny_model.py::test_sampled_batch_pass_rate_and_long_tail": "~12 s: a batch sampled with transformers",
     "test_restart.py::test_sigterm_checkpoints_and_a_restarted_server_delivers_each_group_once":
         "~10 s: a server started twice as a subprocess",
