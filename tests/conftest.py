@@ -126,6 +126,7 @@ def _vllm_service_config() -> ServiceConfig:
     return ServiceConfig(
         grpc_port=0, http_port=0,
         engine=EngineConfig(kind="vllm", num_engines=2, model=vllm_model(), max_model_len=1024, max_seqs=32),
+        weights_file_dirs=[vllm_model(), tempfile.gettempdir()],  # file pushes: the bundled model, tests' tmp_path
         environments={"check": {"entry_point": "helpers:check_step", "timeout_s": 60}})
 
 
