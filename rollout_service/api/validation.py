@@ -126,7 +126,6 @@ def submit_request(req: pb.SubmitRequest, limits: ModelLimits, tokenizer: Tokeni
             prompt = list(tokenizer.encode(g.prompt_text))
         else:
             prompt = list(g.prompt_token_ids)
-            _check_tokens(f"{f}.prompt_token_ids", prompt, limits.vocab_size)
         if not prompt:
             raise FieldError(f"{f}.prompt_token_ids", "prompt is empty: set prompt_token_ids or prompt_text")
         if len(prompt) >= limits.max_model_len:
@@ -134,6 +133,8 @@ def submit_request(req: pb.SubmitRequest, limits: ModelLimits, tokenizer: Tokeni
                 f"{f}.prompt_token_ids",
                 f"prompt of {len(prompt)} tokens must be shorter than max_model_len {limits.max_model_len}",
             )
+        if not g.prompt_text:  # after the length check: a range check of an over-long prompt is wasted
+            _check_tokens(f"{f}.prompt_token_ids", prompt, limits.vocab_size)
         meta_bytes = sum(len(k) + len(v) for k, v in g.metadata.items())
         if meta_bytes > MAX_METADATA_BYTES:
             raise FieldError(f"{f}.metadata", f"must be at most {MAX_METADATA_BYTES} bytes, got {meta_bytes}")

@@ -145,21 +145,27 @@ class WeightsChanged(RuntimeError):
 
 class PinnedFile:
     """A pushed file as it was verified: held open, with its identity (device,
-    inode, size, mtime, ctime; a write or a `utime` changes the ctime)."""
+    inode, size, mtime; and its ctime, which a write or a `utime` changes,
+    while it is still linked: unlinking it changes the ctime too)."""
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
-        self.key = self._key(os.fstat(fd))
+        st = os.fstat(fd)
+        self.key, self.ctime = self._key(st), st.st_ctime_ns
 
     @staticmethod
     def _key(st: os.stat_result) -> tuple:
-        return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+        return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+    def _unchanged(self) -> bool:
+        st = os.fstat(self.fd)
+        return self._key(st) == self.key and (st.st_nlink == 0 or st.st_ctime_ns == self.ctime)
 
     def still_at(self, path: str) -> bool:
         """Whether `path` still holds the verified bytes (False: it was
         removed or replaced, and the verified bytes are only in the pinned
         inode). WeightsChanged when the pinned inode itself was written."""
-        if self.fd < 0 or self._key(os.fstat(self.fd)) != self.key:
+        if self.fd < 0 or not self._unchanged():
             raise WeightsChanged(f"the pushed file {path!r} changed after it was verified (size, mtime or ctime): "
                                  "its bytes are not the version it was pushed as; push the weights again")
         try:
