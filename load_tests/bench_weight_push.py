@@ -39,6 +39,9 @@ from rollout_service.engines.weights import WeightTensor, write_safetensors
 from rollout_service.service import RolloutService
 from trainer_client import RolloutClient
 
+# Where the fast-path files are written (the service may read only listed directories).
+PUSH_FILE_DIRS = ["/dev/shm", tempfile.gettempdir()]
+
 
 def state_dict(params: int, seed: int = 0) -> dict[str, np.ndarray]:
     """Qwen-like tensors (float32) adding up to about `params` parameters."""
@@ -56,7 +59,7 @@ def state_dict(params: int, seed: int = 0) -> dict[str, np.ndarray]:
 async def measure(params: int) -> dict:
     sd = state_dict(params)
     nbytes = sum(a.nbytes for a in sd.values())
-    cfg = ServiceConfig(grpc_port=0, http_port=0, max_message_mb=64,
+    cfg = ServiceConfig(grpc_port=0, http_port=0, max_message_mb=64, weights_file_dirs=PUSH_FILE_DIRS,
                         engine=EngineConfig(kind="sim", num_engines=2, sim={"weight_update_s": 0.0}))
     service = RolloutService(cfg)
     await service.start()
@@ -120,7 +123,7 @@ def _serve(conn, max_message_mb: int, stall: bool = False) -> None:
 
     async def run() -> None:
         # A token delta every engine step (~4 ms), for the stall measurement.
-        cfg = ServiceConfig(grpc_port=0, http_port=0, max_message_mb=max_message_mb,
+        cfg = ServiceConfig(grpc_port=0, http_port=0, max_message_mb=max_message_mb, weights_file_dirs=PUSH_FILE_DIRS,
                             engine=EngineConfig(kind="sim", num_engines=2,
                                                 sim={"weight_update_s": 0.0, "max_run_steps": 1}))
         service = RolloutService(cfg)

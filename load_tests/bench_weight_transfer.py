@@ -41,6 +41,8 @@ SIZES = ("tiny", "tail", "size")
 # "collective-direct": the collective path with engine.collective_receive =
 # "direct" (loaded as received, generation paused for the transfer).
 PATHS = ("grpc", "file", "collective", "collective-direct")
+# Where the fast-path files are written (the service may read only listed directories).
+PUSH_FILE_DIRS = ["/dev/shm", tempfile.gettempdir()]
 
 
 def model_dir(size: str, models: Path) -> str:
@@ -76,7 +78,7 @@ def _serve(conn, model: str, engines: int) -> None:
     from rollout_service.service import RolloutService
 
     async def run() -> None:
-        cfg = ServiceConfig(grpc_port=0, http_port=0, max_message_mb=64,
+        cfg = ServiceConfig(grpc_port=0, http_port=0, max_message_mb=64, weights_file_dirs=PUSH_FILE_DIRS,
                             engine=EngineConfig(kind="vllm", num_engines=engines, model=model, max_model_len=1024,
                                                 max_seqs=8, kv_cache_gib=0.25))
         service = RolloutService(cfg)

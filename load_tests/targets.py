@@ -250,10 +250,12 @@ async def grpc_fleet(spec: FleetSpec, keep_tokens: bool = False) -> AsyncIterato
     from trainer_client import RolloutClient
 
     cfg = spec.service_config()
+    info = model_info(cfg.engine)
+    if info.path:
+        cfg.weights_file_dirs = [info.path]  # where the checkpoint pushed as a file lies
     service = RolloutService(cfg)
     await service.start()
     try:
-        info = model_info(cfg.engine)
         weights_file = None
         if spec.kind != "sim" and info.path:
             from pathlib import Path

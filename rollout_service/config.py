@@ -96,7 +96,10 @@ class ServiceConfig:
     max_queued_samples: int = 1_000_000
     max_groups_per_submit: int = 4096
     consumer_ttl_s: float = 3600.0
-    push_idle_timeout_s: float = 30.0  # a weight push silent this long is abandoned
+    push_idle_timeout_s: float = 30.0  # a weight push silent this long (or a pushed file unread) is abandoned
+    # Directories file pushes (push_weights_file) may read; none: file pushes refused.
+    weights_file_dirs: list[str] = field(default_factory=list)
+    http_request_timeout_s: float = 1800.0  # an OpenAI/vLLM HTTP request running longer is aborted
     state_dir: str = ""  # where a graceful shutdown saves unfinished work ("" = nowhere)
     log_level: str = "INFO"
     engine: EngineConfig = field(default_factory=EngineConfig)

@@ -30,6 +30,9 @@ from rollout_service.factory import ModelInfo, load_tokenizer, make_engines, mod
 from rollout_service.scheduling import make_placement
 
 log = logging.getLogger("rollout_service")
+# At stop, HTTP handlers still running after this long are cancelled (the
+# requests' groups are aborted before, so they normally answer at once).
+HTTP_SHUTDOWN_S = 2.0
 SERVICE_NAME = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
 
 
@@ -121,6 +124,7 @@ class RolloutService:
             int(cfg.max_weights_gb * 1024**3),
             cfg.push_idle_timeout_s,
             self.spec_runtime,
+            cfg.weights_file_dirs,
         )
         add_servicer(servicer, self._grpc)
         self._servicer = servicer
@@ -143,18 +147,25 @@ class RolloutService:
         on `http_port`, on a socket bound here so that port 0 resolves to
         one known port."""
         cfg = self.config
-        openai = OpenAIFrontEnd(self.core, limits, tokenizer, self.model_name)
+        openai = OpenAIFrontEnd(self.core, limits, tokenizer, self.model_name, cfg.http_request_timeout_s)
         app = make_app(self.core, openai, self.spec_runtime)
         if auth.enabled:
             app.middlewares.append(http_middleware(auth))
-        self._http = web.AppRunner(app, access_log=None)
+        # handler_cancellation: a client that disconnects cancels its handler,
+        # which aborts its groups (aiohttp lets handlers run on otherwise).
+        self._http = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=HTTP_SHUTDOWN_S)
         await self._http.setup()
         sock = _listen(cfg.host, cfg.http_port)
         self.http_port = sock.getsockname()[1]
         await web.SockSite(self._http, sock, ssl_context=tls.ssl_context() if tls is not None else None).start()
 
     async def stop(self, grace: float = 1.0) -> None:
-        """Stop serving; with a `state_dir`, checkpoint unfinished work first."""
+        """Stop serving; with a `state_dir`, checkpoint unfinished work first.
+        HTTP requests in flight are answered first, their groups aborted."""
+        if self.core:
+            private = [gid for gid, g in self.core.groups.items() if g.listener is not None]
+            if private:
+                await self.core.abort(private)
         if self._grpc:
             for name in ("", SERVICE_NAME):
                 await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)

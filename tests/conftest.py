@@ -46,6 +46,8 @@ SLOW = {
     "test_tiny_model.py::test_sampled_batch_pass_rate_and_long_tail": "~12 s: a batch sampled with transformers",
     "test_restart.py::test_sigterm_checkpoints_and_a_restarted_server_delivers_each_group_once":
         "~10 s: a server started twice as a subprocess",
+    "test_nothing_hangs.py::test_after_an_abort_and_with_a_request_in_flight_sigterm_stops_promptly":
+        "~6-18 s: a server started as a subprocess",
     "test_load_tests.py::test_two_passes_run_the_policies_there_and_back_on_the_two_halves_of_the_steps":
         "~7 s: load-test runs",
     "test_load_tests.py::test_predict_runs_each_policy_at_the_host_speed_its_run_measured": "~7 s: load-test runs",
@@ -125,6 +127,7 @@ def _vllm_service_config() -> ServiceConfig:
     return ServiceConfig(
         grpc_port=0, http_port=0,
         engine=EngineConfig(kind="vllm", num_engines=2, model=vllm_model(), max_model_len=1024, max_seqs=32),
+        weights_file_dirs=[vllm_model(), tempfile.gettempdir()],  # file pushes: the bundled model, tests' tmp_path
         environments={"check": {"entry_point": "helpers:check_step", "timeout_s": 60}})
 
 

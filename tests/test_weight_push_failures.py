@@ -17,9 +17,12 @@ from helpers import collect, connect, running, sim_config, unique, wait_until
 
 
 @pytest.fixture(scope="module")
-async def service():
-    """Its own service: these tests break its engines' weight updates."""
-    async with running(sim_config(num_engines=2)) as service:
+async def service(tmp_path_factory):
+    """Its own service: these tests break its engines' weight updates. File
+    pushes may read the tests' temporary directories."""
+    cfg = sim_config(num_engines=2)
+    cfg.weights_file_dirs = [str(tmp_path_factory.getbasetemp())]
+    async with running(cfg) as service:
         yield service
 
 

@@ -519,7 +519,9 @@ class RolloutClient:
         returns when `version` serves on every engine (as `push_weights`).
 
         Args:
-            path: the file's path on the service's host.
+            path: the file's path on the service's host, under a directory
+                its configuration lists in `weights_file_dirs` (a regular
+                file; symlinks are resolved).
             version: the new version; must exceed the serving one.
             target: "policy" or "draft" (see `push_weights`).
         """

@@ -16,6 +16,11 @@ known one this server does not implement (at other than its neutral value),
 gets 400 with an OpenAI-style JSON error naming it, as does a malformed
 field. `X-Session-Id` (header) or `user` is the request's session key, kept
 in the group's metadata as `session_id` for the scheduler's affinity.
+
+A request ends with its groups: a gRPC `Abort` that covers them, a client
+that disconnects (the server cancels its handler) and `http_request_timeout_s`
+all abort them; what was generated is answered with finish reason "abort".
+Bodies over INLINE_BODY_BYTES are parsed, tokenized and checked in a thread.
 """
 from __future__ import annotations
 
@@ -57,6 +62,12 @@ _UNSUPPORTED = {"functions", "function_call", "audio", "modalities", "prediction
                 "kv_transfer_params", "prompt_embeds", "echo", "suffix", "logit_bias", "best_of",
                 "response_format", "parallel_tool_calls"} | set(_NEUTRAL)
 SESSION_HEADER = "X-Session-Id"
+# A request body larger than this is parsed, tokenized and checked off the
+# event loop (a thread hop costs more than a small prompt's checks).
+INLINE_BODY_BYTES = 64 * 1024
+# After its groups were aborted, a request waits at most this long for their
+# last events (they are queued by the abort itself).
+ABORT_DRAIN_S = 5.0
 
 
 class BadRequest(ValueError):
@@ -117,7 +128,11 @@ class ResponseText:
     cut before the first stop string (after `min_tokens` tokens, like vLLM)
     unless `include_stop`; `push` returns the text safe to stream so far
     (holding back what could be the start of a stop string, or an
-    incomplete character), `finish` the rest."""
+    incomplete character), `finish` the rest.
+
+    Decoding is incremental (vLLM's two offsets): each push decodes the new
+    tokens after a window of the tokens before them, so a response costs
+    time linear in its length, and the text is the full decode's."""
 
     def __init__(self, decode, stops: tuple[str, ...] = (), include_stop: bool = False, min_tokens: int = 0) -> None:
         self.decode = decode
@@ -125,19 +140,43 @@ class ResponseText:
         self.include_stop = include_stop
         self.min_tokens = min_tokens
         self.ids: list[int] = []
+        self.full = ""  # the decode of ids[:self._read]
+        self._prefix = 0  # ids[_prefix:_read]: context for decoding what follows
+        self._read = 0
+        self._stop_start: int | None = None  # where a stop string may begin (after min_tokens tokens)
+        self._searched = 0  # len(full) at the last stop search
         self.sent = 0
-        self.text = ""
         self.stop_reason: str | None = None  # the stop string the text was cut at
+
+    @property
+    def text(self) -> str:
+        """The text sent so far."""
+        return self.full[:self.sent]
+
+    def _decode_new(self, final: bool) -> None:
+        """Extend `full` with the new tokens' text, unless it ends in an
+        incomplete character (and more may come)."""
+        if self._read == len(self.ids):
+            return
+        before = self.decode(self.ids[self._prefix:self._read])
+        after = self.decode(self.ids[self._prefix:])
+        if len(after) > len(before) and (final or not after.endswith("\ufffd")):
+            self.full += after[len(before):]
+            self._prefix, self._read = self._read, len(self.ids)
 
     def push(self, ids: list[int], final: bool = False) -> str:
         self.ids += ids
         if self.stop_reason is not None:
             return ""
-        full = self.decode(self.ids)
+        self._decode_new(final)
+        full = self.full
         hit = None
-        if self.stops:
-            start = len(self.decode(self.ids[:self.min_tokens])) if self.min_tokens else 0
-            hit = find_stop(full, self.stops, start)
+        if self.stops and len(self.ids) >= self.min_tokens:
+            if self._stop_start is None:
+                self._stop_start = len(self.decode(self.ids[:self.min_tokens])) if self.min_tokens else 0
+            longest = max(map(len, self.stops))
+            hit = find_stop(full, self.stops, max(self._stop_start, self._searched - longest + 1))
+            self._searched = len(full)
         if hit is not None:
             end = hit[0] + (len(hit[1]) if self.include_stop else 0)
             self.stop_reason = hit[1]
@@ -151,7 +190,6 @@ class ResponseText:
                     end -= 1
         out = full[self.sent:end] if end > self.sent else ""
         self.sent = max(self.sent, end)
-        self.text = full[:self.sent]
         return out
 
     def finish(self) -> str:
@@ -159,11 +197,13 @@ class ResponseText:
 
 
 class OpenAIFrontEnd:
-    def __init__(self, core: RolloutCore, limits: ModelLimits, tokenizer, model_name: str) -> None:
+    def __init__(self, core: RolloutCore, limits: ModelLimits, tokenizer, model_name: str,
+                 request_timeout_s: float = 1800.0) -> None:
         self.core = core
         self.limits = limits
         self.tokenizer = tokenizer
         self.model_name = model_name
+        self.request_timeout_s = request_timeout_s  # seconds a request's groups may run before they are aborted
 
     def routes(self, app: web.Application) -> None:
         app.router.add_get("/v1/models", self.models)
@@ -180,8 +220,11 @@ class OpenAIFrontEnd:
     async def parse_body(self, request: web.Request) -> dict:
         """The request's JSON object; BadRequest when it is not one, or names
         another model than the one served."""
+        return self.parse_raw(await request.read())
+
+    def parse_raw(self, raw: bytes) -> dict:
         try:
-            body = await request.json()
+            body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise BadRequest("body", "must be a JSON object") from None
         if not isinstance(body, dict):
@@ -205,9 +248,9 @@ class OpenAIFrontEnd:
             ids = self._encode(prompt)
         elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = list(prompt)
-            bad = [t for t in ids if not 0 <= t < self.limits.vocab_size]
-            if bad:
-                raise BadRequest("prompt", f"token id {bad[0]} is outside [0, {self.limits.vocab_size - 1}]")
+            if ids and not 0 <= min(ids) <= max(ids) < self.limits.vocab_size:
+                bad = next(t for t in ids if not 0 <= t < self.limits.vocab_size)
+                raise BadRequest("prompt", f"token id {bad} is outside [0, {self.limits.vocab_size - 1}]")
         else:
             raise BadRequest("prompt", "must be a string or a list of token ids (one prompt per request)")
         if not ids:
@@ -368,32 +411,51 @@ class OpenAIFrontEnd:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, chat=True)
 
+    async def off_loop(self, request: web.Request, parse):
+        """`parse(raw body)`, in a thread when the body is large (tokenizing
+        and checking a long prompt would block the event loop)."""
+        raw = await request.read()
+        if len(raw) > INLINE_BODY_BYTES:
+            return await asyncio.to_thread(parse, raw)
+        return parse(raw)
+
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         try:
-            body = await self.parse_body(request)
-            check_keys(body, _CHAT_KEYS if chat else _COMPLETION_KEYS)
-            if chat:
-                prompts = [self._chat_prompt(body.get("messages"), self.chat_tools(body))]
-            else:
-                if "prompt" not in body:
-                    raise BadRequest("prompt", "is required")
-                prompts = self._prompt_batch(body["prompt"])
-            specs = [self.group_spec(body, p, chat) for p in prompts]
-            want_logprobs = specs[0][1]
-            stream = body.get("stream", False)
-            if stream is None:
-                stream = False
-            if not isinstance(stream, bool):
-                raise BadRequest("stream", f"must be a boolean, got {stream!r}")
-            if stream and len(prompts) > 1:
-                raise BadRequest("stream", "streams one prompt per request")
-            include_usage = self._stream_options(body, stream)
-            session = self.session_id(request, body)
-            if session is not None:
-                for spec, _ in specs:
-                    spec.metadata[SESSION_KEY] = session
+            body, prompts, specs, stream, include_usage = await self.off_loop(
+                request, lambda raw: self._parse(request, raw, chat))
         except BadRequest as exc:
             return error_response(400, str(exc), exc.param)
+        return await self._run(request, chat, body, prompts, specs, stream, include_usage)
+
+    def _parse(self, request: web.Request, raw: bytes, chat: bool):
+        """A completions request's body, prompts (token ids), group specs,
+        `stream` and `include_usage`; BadRequest naming the field."""
+        body = self.parse_raw(raw)
+        check_keys(body, _CHAT_KEYS if chat else _COMPLETION_KEYS)
+        if chat:
+            prompts = [self._chat_prompt(body.get("messages"), self.chat_tools(body))]
+        else:
+            if "prompt" not in body:
+                raise BadRequest("prompt", "is required")
+            prompts = self._prompt_batch(body["prompt"])
+        specs = [self.group_spec(body, p, chat) for p in prompts]
+        stream = body.get("stream", False)
+        if stream is None:
+            stream = False
+        if not isinstance(stream, bool):
+            raise BadRequest("stream", f"must be a boolean, got {stream!r}")
+        if stream and len(prompts) > 1:
+            raise BadRequest("stream", "streams one prompt per request")
+        include_usage = self._stream_options(body, stream)
+        session = self.session_id(request, body)
+        if session is not None:
+            for spec, _ in specs:
+                spec.metadata[SESSION_KEY] = session
+        return body, prompts, specs, stream, include_usage
+
+    async def _run(self, request: web.Request, chat: bool, body: dict, prompts, specs, stream: bool,
+                   include_usage: bool) -> web.StreamResponse:
+        want_logprobs = specs[0][1]
         groups = []
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
@@ -428,7 +490,7 @@ class OpenAIFrontEnd:
             return web.json_response(response)
         finally:
             live = [g.group_id for g in groups if g.group_id in self.core.groups]
-            if live:  # the client went away: free the engines
+            if live:  # the client went away (cancelled), or an error: free the engines
                 await self.core.abort(live)
 
     @staticmethod
@@ -451,13 +513,32 @@ class OpenAIFrontEnd:
             raise BadRequest("stream_options.include_usage", f"must be a boolean, got {usage!r}")
         return usage
 
+    async def events(self, group):
+        """The events of a group from `core.submit_private` until its last
+        sample. Past `request_timeout_s` the group is aborted: its unfinished
+        samples end with finish reason ABORTED."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.request_timeout_s
+        left = group.spec.num_samples
+        while left:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    event = await group.listener.get()
+            except TimeoutError:
+                if deadline > loop.time() + ABORT_DRAIN_S / 2 or group.group_id not in self.core.groups:
+                    raise  # aborted already and still no events: the core lost them
+                deadline = loop.time() + ABORT_DRAIN_S
+                await self.core.abort([group.group_id])  # queues every unfinished sample, aborted
+                continue
+            left -= isinstance(event, SampleEvent)
+            yield event
+
     async def collect(self, group, tops: dict | None = None) -> list[Sample]:
-        """Every sample of a group from `core.submit_private`, in index order;
-        `tops`, when given, gets each sample's per-token alternatives
-        (index -> list, None where an engine reported none)."""
+        """Every sample of a group from `core.submit_private`, in index order
+        (see `events`); `tops`, when given, gets each sample's per-token
+        alternatives (index -> list, None where an engine reported none)."""
         samples: list[Sample] = []
-        while len(samples) < group.spec.num_samples:
-            event = await group.listener.get()
+        async for event in self.events(group):
             if isinstance(event, SampleEvent):
                 samples.append(event.sample)
             elif tops is not None and event.delta.token_ids:
@@ -544,11 +625,9 @@ class OpenAIFrontEnd:
             for i in range(group.spec.num_samples):
                 await send([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
                            self.core.policy_version)
-        done = 0
         prompt_tokens = len(group.spec.prompt_token_ids)
         completion_tokens = 0
-        while done < group.spec.num_samples:
-            event = await group.listener.get()
+        async for event in self.events(group):
             if isinstance(event, DeltaEvent):
                 index, delta = event.index, event.delta
                 if not delta.token_ids:
@@ -560,7 +639,6 @@ class OpenAIFrontEnd:
                                      "logprobs": logprobs}, piece)], delta.version)
             elif isinstance(event, SampleEvent):
                 s = event.sample
-                done += 1
                 completion_tokens += len(s.response_token_ids)
                 text = texts[s.index]
                 piece = text.finish()

@@ -27,6 +27,7 @@ _CORE_CODES = {
     "not_found": grpc.StatusCode.NOT_FOUND,
     "exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "failed_precondition": grpc.StatusCode.FAILED_PRECONDITION,
+    "permission_denied": grpc.StatusCode.PERMISSION_DENIED,
 }
 
 
@@ -50,13 +51,14 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         max_weights_bytes: int,
         push_idle_timeout_s: float = 30.0,
         spec_runtime: "SpecRuntime | None" = None,
+        weights_file_dirs: "list[str] | tuple[str, ...]" = (),
     ) -> None:
         self.core = core
         self.limits = limits
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.spec_runtime = spec_runtime
-        self.weights = WeightsReceiver(core, max_weights_bytes, push_idle_timeout_s, spec_runtime)
+        self.weights = WeightsReceiver(core, max_weights_bytes, push_idle_timeout_s, spec_runtime, weights_file_dirs)
 
     async def Submit(self, request: pb.SubmitRequest, context) -> pb.SubmitResponse:
         try:
@@ -100,7 +102,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         """Answer a trainer-driven trajectory's turn event: append the
         observation and queue its next turn, or end it (`done`)."""
         try:
-            answer = validation.continue_request(request, self.limits, self.tokenizer)
+            answer = await validation.continue_request_off_loop(request, self.limits, self.tokenizer)
             applied = self.core.continue_trajectory(answer.sample_id, answer.turn, answer.observation_token_ids,
                                                     answer.done)
         except FieldError as exc:

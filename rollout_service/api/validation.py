@@ -20,9 +20,11 @@ MAX_TEMPERATURE = 2.0  # vLLM refuses hotter sampling; so does the OpenAI API
 MAX_TURNS = 1024
 MAX_ID_CHARS = 256
 MAX_METADATA_BYTES = 65_536
-# A Submit with more prompt texts than this is validated in a worker thread:
-# tokenising up to max_groups_per_submit texts would block the event loop.
+# A Submit with more prompt texts than this, or more characters of text or
+# token ids than INLINE_PROMPT_UNITS, is validated in a worker thread:
+# tokenising and checking them would block the event loop.
 INLINE_PROMPT_TEXTS = 8
+INLINE_PROMPT_UNITS = 65_536
 
 
 class FieldError(ValueError):
@@ -55,6 +57,8 @@ def _check_id(field: str, value: str) -> None:
 
 
 def _check_tokens(field: str, ids, vocab: int) -> None:
+    if len(ids) and 0 <= min(ids) and max(ids) < vocab:  # at C speed; the loop only names the culprit
+        return
     for j, t in enumerate(ids):
         if not 0 <= t < vocab:
             raise FieldError(f"{field}[{j}]", f"must be a token id in [0, {vocab - 1}], got {t}")
@@ -122,7 +126,6 @@ def submit_request(req: pb.SubmitRequest, limits: ModelLimits, tokenizer: Tokeni
             prompt = list(tokenizer.encode(g.prompt_text))
         else:
             prompt = list(g.prompt_token_ids)
-            _check_tokens(f"{f}.prompt_token_ids", prompt, limits.vocab_size)
         if not prompt:
             raise FieldError(f"{f}.prompt_token_ids", "prompt is empty: set prompt_token_ids or prompt_text")
         if len(prompt) >= limits.max_model_len:
@@ -130,6 +133,8 @@ def submit_request(req: pb.SubmitRequest, limits: ModelLimits, tokenizer: Tokeni
                 f"{f}.prompt_token_ids",
                 f"prompt of {len(prompt)} tokens must be shorter than max_model_len {limits.max_model_len}",
             )
+        if not g.prompt_text:  # after the length check: a range check of an over-long prompt is wasted
+            _check_tokens(f"{f}.prompt_token_ids", prompt, limits.vocab_size)
         meta_bytes = sum(len(k) + len(v) for k, v in g.metadata.items())
         if meta_bytes > MAX_METADATA_BYTES:
             raise FieldError(f"{f}.metadata", f"must be at most {MAX_METADATA_BYTES} bytes, got {meta_bytes}")
@@ -200,11 +205,24 @@ async def submit_request_off_loop(req: pb.SubmitRequest, limits: ModelLimits,
                                   tokenizer: Tokenizer | None) -> list[GroupSpec]:
     """`submit_request`, in a worker thread when the request carries more
     than INLINE_PROMPT_TEXTS prompt texts to tokenise (a few run inline:
-    a thread hop costs more than they do)."""
+    a thread hop costs more than they do), or more than INLINE_PROMPT_UNITS
+    characters and token ids in all."""
+    if len(req.groups) > limits.max_groups_per_submit:
+        return submit_request(req, limits, tokenizer)  # refused before any prompt is read
     texts = sum(1 for g in req.groups if g.prompt_text) if tokenizer is not None else 0
-    if texts > INLINE_PROMPT_TEXTS and len(req.groups) <= limits.max_groups_per_submit:
+    units = sum(len(g.prompt_text) + len(g.prompt_token_ids) for g in req.groups)
+    if texts > INLINE_PROMPT_TEXTS or units > INLINE_PROMPT_UNITS:
         return await asyncio.to_thread(submit_request, req, limits, tokenizer)
     return submit_request(req, limits, tokenizer)
+
+
+async def continue_request_off_loop(req: pb.ContinueRequest, limits: ModelLimits,
+                                    tokenizer: Tokenizer | None) -> Continuation:
+    """`continue_request`, in a worker thread for an observation over
+    INLINE_PROMPT_UNITS characters or token ids."""
+    if len(req.observation_text) + len(req.observation_token_ids) > INLINE_PROMPT_UNITS:
+        return await asyncio.to_thread(continue_request, req, limits, tokenizer)
+    return continue_request(req, limits, tokenizer)
 
 
 def consumer_id(field: str, value: str) -> str:

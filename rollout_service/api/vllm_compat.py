@@ -154,27 +154,7 @@ class VllmCompat:
     async def generate(self, request: web.Request) -> web.Response:
         front = self.front
         try:
-            body = await front.parse_body(request)
-            check_keys(body, _GENERATE_KEYS)
-            if body.get("features") is not None or body.get("content_parts") is not None:
-                raise BadRequest("features", "multimodal inputs are not supported by this server")
-            if body.get("stream"):
-                raise BadRequest("stream", "only non-streaming requests are supported")
-            ids = body.get("token_ids")
-            if not isinstance(ids, list):
-                raise BadRequest("token_ids", "must be a list of token ids")
-            try:
-                prompt = front.prompt_ids(ids)
-            except BadRequest as exc:
-                raise _renamed(exc, "token_ids") from None
-            sampling = body.get("sampling_params") or {}
-            if not isinstance(sampling, dict):
-                raise BadRequest("sampling_params", "must be an object")
-            try:
-                check_keys(sampling, _GENERATE_SAMPLING_KEYS)
-                spec, want_logprobs = front.group_spec(sampling, prompt)
-            except BadRequest as exc:
-                raise _renamed(exc, f"sampling_params.{exc.param}") from None
+            body, prompt, spec, want_logprobs = await front.off_loop(request, self._parse)
         except BadRequest as exc:
             return error_response(400, str(exc), exc.param)
         try:
@@ -185,7 +165,7 @@ class VllmCompat:
             tops: dict = {}
             samples = await front.collect(group, tops)
         finally:
-            if group.group_id in self.core.groups:  # the client went away: free the engines
+            if group.group_id in self.core.groups:  # the client went away (cancelled): free the engines
                 await self.core.abort([group.group_id])
         response = {
             "request_id": str(body.get("request_id") or f"gen-{uuid.uuid4().hex[:24]}"),
@@ -201,6 +181,33 @@ class VllmCompat:
         if body.get("return_token_ids", True):
             response["prompt_token_ids"] = prompt
         return web.json_response(response)
+
+    def _parse(self, raw: bytes):
+        """The request's body, prompt ids, group spec and whether logprobs are
+        wanted; BadRequest naming the field."""
+        front = self.front
+        body = front.parse_raw(raw)
+        check_keys(body, _GENERATE_KEYS)
+        if body.get("features") is not None or body.get("content_parts") is not None:
+            raise BadRequest("features", "multimodal inputs are not supported by this server")
+        if body.get("stream"):
+            raise BadRequest("stream", "only non-streaming requests are supported")
+        ids = body.get("token_ids")
+        if not isinstance(ids, list):
+            raise BadRequest("token_ids", "must be a list of token ids")
+        try:
+            prompt = front.prompt_ids(ids)
+        except BadRequest as exc:
+            raise _renamed(exc, "token_ids") from None
+        sampling = body.get("sampling_params") or {}
+        if not isinstance(sampling, dict):
+            raise BadRequest("sampling_params", "must be an object")
+        try:
+            check_keys(sampling, _GENERATE_SAMPLING_KEYS)
+            spec, want_logprobs = front.group_spec(sampling, prompt)
+        except BadRequest as exc:
+            raise _renamed(exc, f"sampling_params.{exc.param}") from None
+        return body, prompt, spec, want_logprobs
 
     @staticmethod
     def _choice(s: Sample, want_logprobs: bool, alternatives: int = 0, tops: list | None = None) -> dict:

@@ -5,7 +5,9 @@ stream, assembly, verification, staging; then applying it on the engines.
 go wrong maps to one exception each, which the RPC turns into a status:
 
 1. the request is wrong (header, manifest, bytes, file): `FieldError` /
-   `ManifestError` / `WeightsRejected` / `CoreError` -> INVALID_ARGUMENT;
+   `ManifestError` / `WeightsRejected` / `CoreError` -> INVALID_ARGUMENT
+   (a file push where none is allowed: FAILED_PRECONDITION; outside the
+   allowed directories: PERMISSION_DENIED; both name `weights_file_dirs`);
 2. the sender goes quiet: `PushStalled` -> DEADLINE_EXCEEDED;
 3. an engine does not apply the weights in time: `ApplyTimedOut` ->
    DEADLINE_EXCEEDED;
@@ -19,8 +21,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import json
-import struct
+import errno
+import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterable, Awaitable, Callable
@@ -33,13 +35,15 @@ from rollout_service.engines.base import EngineError
 from rollout_service.engines.weights import (
     CHECKSUM_ALGOS,
     ManifestError,
+    PinnedFile,
     StagedWeights,
     StagingWriter,
     TensorSpec,
     check_manifest,
-    read_safetensors,
+    read_weights_file,
     split_and_verify,
 )
+from rollout_service.lifecycle.types import CoreError
 
 if TYPE_CHECKING:
     from rollout_service.drafter.runtime import SpecRuntime
@@ -53,6 +57,18 @@ PUSH_ACCEPTED = (("rollout-push-accepted", "1"),)
 # A push refused in the middle of its data: what the sender still streams is
 # read and dropped for at most this long before the refusal is returned.
 REFUSAL_DRAIN_S = 30.0
+# Threads that read and verify pushed files, apart from the default pool
+# (Submit, weight staging and engine restarts): a file whose reads block
+# (a hung network mount) holds one of these, never one of theirs.
+WEIGHT_FILE_THREADS = 2
+_file_pool: ThreadPoolExecutor | None = None
+
+
+def _file_io(fn, *args) -> asyncio.Future:
+    global _file_pool
+    if _file_pool is None:
+        _file_pool = ThreadPoolExecutor(WEIGHT_FILE_THREADS, thread_name_prefix="weights-file")
+    return asyncio.get_running_loop().run_in_executor(_file_pool, fn, *args)
 
 
 def parse_chunk(raw: bytes) -> "pb.WeightsChunk | memoryview":
@@ -111,8 +127,10 @@ class WeightsReceiver:
     decoding runtime, for `target="draft"`)."""
 
     def __init__(self, core: RolloutCore, max_weights_bytes: int, push_idle_timeout_s: float = 30.0,
-                 spec_runtime: "SpecRuntime | None" = None) -> None:
+                 spec_runtime: "SpecRuntime | None" = None, file_dirs: "list[str] | tuple[str, ...]" = ()) -> None:
         self.core = core
+        # Where file pushes may read (resolved): none, no file pushes.
+        self.file_dirs = tuple(os.path.realpath(d) for d in file_dirs)
         self.max_weights_bytes = max_weights_bytes
         self.push_idle_timeout_s = push_idle_timeout_s
         self.spec_runtime = spec_runtime
@@ -138,13 +156,18 @@ class WeightsReceiver:
                              f"allowed: {', '.join(CHECKSUM_ALGOS)} (empty: sha256)")
         check = self.spec_runtime.check_draft_weights if target == "draft" else self.core.check_weights
         if header.file_path:
-            specs, buffer = await _read_file(header.file_path)
-            if header.tensors:
-                specs = _match_file_manifest(convert.tensor_specs(header), specs)
-            check_manifest(specs, self.max_weights_bytes)
-            check(header.version, {s.name: (s.dtype, s.shape) for s in specs})
-            tensors = await asyncio.to_thread(split_and_verify, specs, buffer)
-            staged = StagedWeights(tensors, source_path=header.file_path)
+            path = self.allowed_file(header.file_path)
+            specs, buffer, pinned = await self._read_file(header.file_path, path)
+            try:
+                if header.tensors:
+                    specs = _match_file_manifest(convert.tensor_specs(header), specs)
+                check_manifest(specs, self.max_weights_bytes)
+                check(header.version, {s.name: (s.dtype, s.shape) for s in specs})
+                tensors = await _file_io(split_and_verify, specs, buffer)
+            except BaseException:
+                pinned.close()
+                raise
+            staged = StagedWeights(tensors, source_path=path, pinned=pinned)
             return ReceivedWeights(target, header.version, staged, len(buffer))
         specs = convert.tensor_specs(header)
         total = check_manifest(specs, self.max_weights_bytes)
@@ -205,17 +228,38 @@ class WeightsReceiver:
                 f"({detail}); still serving version {self.core.policy_version}")
 
 
-async def _read_file(path: str) -> tuple[list[TensorSpec], memoryview]:
-    """The same-host fast path: the file's manifest and tensor bytes. Only
-    file errors are the request's fault; they name the path."""
-    try:
-        return await asyncio.to_thread(read_safetensors, path)
-    except ManifestError:
-        raise
-    except (FileNotFoundError, IsADirectoryError, PermissionError) as exc:
-        raise FieldError("header.file_path", f"cannot read {path!r}: {exc.strerror}") from None
-    except (ValueError, KeyError, IndexError, TypeError, struct.error, json.JSONDecodeError) as exc:
-        raise FieldError("header.file_path", f"{path!r} is not a safetensors file ({exc})") from None
+    def allowed_file(self, path: str) -> str:
+        """`path` resolved (symlinks followed), if it lies under a directory
+        listed in `weights_file_dirs`; CoreError naming the key otherwise."""
+        if not self.file_dirs:
+            raise CoreError("failed_precondition", "header.file_path: file pushes are off: list the directories "
+                            "they may read in the configuration key weights_file_dirs, or stream the weights")
+        real = os.path.realpath(path)
+        if not any(os.path.commonpath([real, d]) == d for d in self.file_dirs):
+            raise CoreError("permission_denied", f"header.file_path: {path!r} is outside the directories listed "
+                            "in weights_file_dirs (symlinks resolved)")
+        return real
+
+    async def _read_file(self, given: str, path: str) -> tuple[list[TensorSpec], memoryview, PinnedFile]:
+        """The same-host fast path: the file's manifest, tensor bytes and
+        pin, read on the weight-file threads within the push idle timeout.
+        Only file errors are the request's fault; they name the path given."""
+        future = _file_io(read_weights_file, path, self.max_weights_bytes, False, given)
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), self.push_idle_timeout_s)
+        except TimeoutError:
+            future.add_done_callback(_close_late)
+            raise PushStalled(f"header.file_path: {given!r} not read within {self.push_idle_timeout_s:g} s "
+                              "(push_idle_timeout_s): push abandoned, the serving version is unchanged") from None
+        except OSError as exc:
+            why = "it is a symlink swapped in after it was resolved" if exc.errno == errno.ELOOP else exc.strerror
+            raise FieldError("header.file_path", f"cannot read {given!r}: {why}") from None
+
+
+def _close_late(future: asyncio.Future) -> None:
+    """Close what a file read abandoned on time-out opened, once it returns."""
+    if not future.cancelled() and future.exception() is None:
+        future.result()[2].close()
 
 
 async def _receive_into_file(messages: AsyncIterable, specs: list[TensorSpec],

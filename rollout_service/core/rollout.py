@@ -555,7 +555,10 @@ class RolloutCore:
         self, group_ids: list[str] = (), batch_id: str = "", all_groups: bool = False, keep_partial: bool = False
     ) -> tuple[int, list[Sample]]:
         """Stop groups; returns how many and, with keep_partial, the
-        unfinished samples with the tokens generated so far."""
+        unfinished samples with the tokens generated so far. `all_groups`
+        includes the private groups of request/response front ends: their
+        listeners get each unfinished sample, finish reason ABORTED (the
+        request answers at once), and their samples are not returned."""
         if all_groups:
             targets = list(self.groups.values())
         elif batch_id:
@@ -569,7 +572,7 @@ class RolloutCore:
         self._unqueue(targets)  # once for all of them: a queue pass per group is quadratic
         for group in targets:
             samples = await self._give_up(group)
-            if keep_partial:
+            if keep_partial and group.listener is None:
                 partials.extend(samples)
         self.counters["groups_aborted"] += len(targets)
         return len(targets), partials
@@ -580,7 +583,8 @@ class RolloutCore:
         group is forgotten. With a `drop_reason` (the service gave up on it)
         their samples are delivered, aborted with that reason, so nothing
         submitted goes unaccounted for; without one (the client aborted) they
-        are returned instead."""
+        are returned instead (and handed to a private group's listener,
+        whose request would otherwise wait for them)."""
         if not group.aborted:
             self._unqueue([group])
         pending = [r for r in group.requests if r.finish_reason is None]
@@ -596,6 +600,8 @@ class RolloutCore:
                 sample.drop_reason = drop_reason
                 group.finished += 1
                 self.deliver(group, sample)
+            elif group.listener is not None:
+                group.listener.put_nowait(SampleEvent(sample))
             samples.append(sample)
         if drop_reason:
             self.counters["groups_dropped"] += 1

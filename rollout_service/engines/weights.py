@@ -18,6 +18,7 @@ import json
 import math
 import mmap
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,27 +133,128 @@ def split_and_verify(specs: list[TensorSpec], buffer: memoryview) -> list[Weight
     return out
 
 
+MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024  # bytes of JSON header (safetensors' own limit)
+_FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+               (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+class WeightsChanged(RuntimeError):
+    """A pushed weights file changed after it was verified: its bytes are no
+    longer the version it was pushed as."""
+
+
+class PinnedFile:
+    """A pushed file as it was verified: held open, with its identity (device,
+    inode, size, mtime; and its ctime, which a write or a `utime` changes,
+    while it is still linked: unlinking it changes the ctime too)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        st = os.fstat(fd)
+        self.key, self.ctime = self._key(st), st.st_ctime_ns
+
+    @staticmethod
+    def _key(st: os.stat_result) -> tuple:
+        return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+    def _unchanged(self) -> bool:
+        st = os.fstat(self.fd)
+        return self._key(st) == self.key and (st.st_nlink == 0 or st.st_ctime_ns == self.ctime)
+
+    def still_at(self, path: str) -> bool:
+        """Whether `path` still holds the verified bytes (False: it was
+        removed or replaced, and the verified bytes are only in the pinned
+        inode). WeightsChanged when the pinned inode itself was written."""
+        if self.fd < 0 or not self._unchanged():
+            raise WeightsChanged(f"the pushed file {path!r} changed after it was verified (size, mtime or ctime): "
+                                 "its bytes are not the version it was pushed as; push the weights again")
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            return False
+        return (st.st_dev, st.st_ino) == self.key[:2]
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def describe_kind(mode: int) -> str:
+    """What a non-regular file is, in words ("a FIFO", ...)."""
+    return next((name for test, name in _FILE_KINDS if test(mode)), "not a regular file")
+
+
+def read_weights_file(path: str, max_bytes: int | None = None, follow_symlinks: bool = False,
+                      shown: str | None = None) -> tuple[list[TensorSpec], memoryview, PinnedFile]:
+    """Open a safetensors file without blocking (a FIFO or a device is
+    refused, named, before any read), check its header's sizes against the
+    file's (and `max_bytes`), then map it. Returns its manifest (without
+    checksums), a buffer of the tensors in manifest order, and the file
+    pinned as opened. ManifestError naming `header.file_path` for a file
+    that is not a regular safetensors file; OSError for what `open` raises
+    (ELOOP for a symlink, unless `follow_symlinks`). Messages name the file
+    as `shown` (default: `path`)."""
+    shown = shown or path
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow_symlinks else os.O_NOFOLLOW)
+    fd = os.open(path, flags)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ManifestError("header.file_path", f"{shown!r} is {describe_kind(st.st_mode)}, not a regular file")
+        specs, start, end = _safetensors_layout(fd, st.st_size, shown)
+        total = end - start
+        if max_bytes is not None and total > max_bytes:
+            raise ManifestError("header.file_path", f"{shown!r} holds {total} bytes of tensors, over the limit of "
+                                f"{max_bytes} bytes")
+        pinned = PinnedFile(fd)
+        mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if st.st_size else None
+    except BaseException:
+        os.close(fd)
+        raise
+    view = memoryview(mapped) if mapped is not None else memoryview(b"")
+    return specs, view[start:end], pinned
+
+
+def _safetensors_layout(fd: int, size: int, path: str) -> tuple[list[TensorSpec], int, int]:
+    """A safetensors file's manifest (in data order) and the byte range of
+    its tensors, read with `pread`; every size is checked against the file's
+    `size` before the header is read."""
+    def bad(why: str) -> ManifestError:
+        return ManifestError("header.file_path", f"{path!r} is not a safetensors file ({why})")
+
+    if size < 8:
+        raise bad(f"{size} bytes")
+    (header_len,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+    if header_len > min(size - 8, MAX_SAFETENSORS_HEADER):
+        raise bad(f"a header of {header_len} bytes in a file of {size}")
+    try:
+        header = json.loads(os.pread(fd, header_len, 8))
+        header.pop("__metadata__", None)
+        items = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
+        base, specs, offset = 8 + header_len, [], None
+        for name, meta in items:
+            dtype = _SAFETENSORS_DTYPES.get(meta["dtype"])
+            if dtype is None:
+                raise ManifestError("header.file_path", f"tensor {name!r} has unsupported dtype {meta['dtype']}")
+            lo, hi = (int(x) for x in meta["data_offsets"])
+            if not (0 <= lo <= hi and base + hi <= size) or (offset is not None and lo != offset):
+                raise bad(f"tensor {name!r} at bytes [{lo}, {hi}) of a data region of {size - base}")
+            offset = hi
+            specs.append(TensorSpec(name, dtype, tuple(int(d) for d in meta["shape"]), hi - lo))
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:
+        raise bad(f"{type(exc).__name__}: {exc}") from None
+    if not items:
+        return specs, base, base
+    return specs, base + items[0][1]["data_offsets"][0], base + offset
+
+
 def read_safetensors(path: str) -> tuple[list[TensorSpec], memoryview]:
-    """Same-host fast path: map a safetensors file; returns its manifest
-    (without checksums) and a buffer of the tensors in manifest order."""
-    with open(path, "rb") as f:
-        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    (header_len,) = struct.unpack("<Q", mapped[:8])
-    header = json.loads(bytes(mapped[8 : 8 + header_len]))
-    header.pop("__metadata__", None)
-    base = 8 + header_len
-    items = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
-    specs = []
-    for name, meta in items:
-        dtype = _SAFETENSORS_DTYPES.get(meta["dtype"])
-        if dtype is None:
-            raise ManifestError("header.file_path", f"tensor {name!r} has unsupported dtype {meta['dtype']}")
-        start, end = meta["data_offsets"]
-        specs.append(TensorSpec(name, dtype, tuple(meta["shape"]), end - start))
-    view = memoryview(mapped)
-    start = items[0][1]["data_offsets"][0] if items else 0
-    end = items[-1][1]["data_offsets"][1] if items else 0
-    return specs, view[base + start : base + end]
+    """Map a safetensors file (see `read_weights_file`); returns its
+    manifest (without checksums) and a buffer of the tensors in manifest order."""
+    specs, view, pinned = read_weights_file(path, follow_symlinks=True)
+    pinned.close()  # the mapping keeps the bytes
+    return specs, view
 
 
 _TO_SAFETENSORS = {v: k for k, v in _SAFETENSORS_DTYPES.items()}
@@ -365,11 +467,14 @@ class StagedWeights:
 
     Engines that load from files call `as_file()`: the tensors are written
     once to a staging file (in shared memory where the host has it) unless
-    the push already came as a file (the same-host fast path)."""
+    the push already came as a file (the same-host fast path). Such a file
+    is `pinned` as verified: every re-read checks it first (see `as_file`)."""
 
     def __init__(self, tensors: list[WeightTensor], source_path: str | None = None,
-                 prefix: str = "rollout-weights-", owned: bool = False, recycle: bool = False) -> None:
+                 prefix: str = "rollout-weights-", owned: bool = False, recycle: bool = False,
+                 pinned: PinnedFile | None = None) -> None:
         self.tensors = tensors
+        self._pinned = pinned
         self.prefix = prefix  # of the staging file's name
         self._path = source_path
         self._owned = owned  # cleanup() removes source_path
@@ -386,14 +491,25 @@ class StagedWeights:
     def total_bytes(self) -> int:
         return sum(len(t.data) for t in self.tensors)
 
+    def _pushed_file_gone(self) -> bool:
+        """Whether the pushed file no longer holds the verified bytes at its
+        path (removed, or replaced: the pinned inode still holds them, and
+        the tensors map it). WeightsChanged when the verified bytes were
+        overwritten in place: they cannot be served under their version."""
+        if self._pinned is not None:
+            return not self._pinned.still_at(self._path)
+        return not os.path.exists(self._path)
+
     async def as_file(self) -> str:
+        """A safetensors file of the verified tensors: the pushed file while
+        it still holds them, else a staging copy of them."""
         import asyncio
 
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:
-            if self._path is not None and not os.path.exists(self._path):
-                self._path = None  # the pushed file was removed: stage our own copy
+            if self._path is not None and self._pushed_file_gone():
+                self._path = None  # stage our own copy
             if self._path is None:
                 import tempfile
 
@@ -401,23 +517,31 @@ class StagedWeights:
                 os.close(fd)
                 await asyncio.to_thread(write_safetensors, path, self.tensors)
                 self._path, self._owned = path, True
+                self._unpin()
             return self._path
 
     def path_now(self) -> str:
         """The staged file's path if it exists (see as_file), else write one
         synchronously (used at shutdown)."""
-        if self._path is None or not os.path.exists(self._path):
+        if self._path is None or self._pushed_file_gone():
             import tempfile
 
             fd, path = tempfile.mkstemp(prefix=self.prefix, suffix=".safetensors")
             os.close(fd)
             write_safetensors(path, self.tensors)
             self._path, self._owned = path, True
+            self._unpin()
         return self._path
+
+    def _unpin(self) -> None:
+        if self._pinned is not None:
+            self._pinned.close()
+            self._pinned = None
 
     def cleanup(self) -> None:
         """Remove the staging file we own (the tensors' views must no longer
         be read: a received push's file may be reused by the next push)."""
+        self._unpin()
         if self._owned and self._path:
             try:
                 if self._recycle:
