@@ -23,6 +23,8 @@ def _add_service_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ray", nargs="?", const="auto", metavar="ADDRESS",
                    help="run each engine as a Ray actor on the cluster at ADDRESS (default: auto, the cluster "
                         "this node belongs to; 'local' starts Ray here)")
+    p.add_argument("--insecure-no-auth", action="store_true",
+                   help="serve on an address other than loopback without tokens (auth.insecure_no_auth)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any configuration key, e.g. engine.max_seqs=32")
 
 
@@ -35,6 +37,8 @@ def _config(args: argparse.Namespace) -> ServiceConfig:
         value = getattr(args, flag)
         if value is not None:
             overrides.append(f"{key}={json.dumps(value)}")
+    if args.insecure_no_auth:
+        overrides.append("auth.insecure_no_auth=true")
     if args.ray is not None:
         overrides += ['engine.placement_backend="ray"', f"engine.ray.address={json.dumps(args.ray)}"]
     return load_config(args.config, overrides)

@@ -13,8 +13,10 @@ Any field can be set from the command line with `--set engine.num_engines=4`.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import json
 import os
+import socket
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,6 +78,8 @@ class AuthConfig:
     # the environment (comma-separated): ROLLOUT_SUBMIT_TOKENS, ROLLOUT_WEIGHTS_TOKENS.
     submit_tokens: list[str] = field(default_factory=list)
     weights_tokens: list[str] = field(default_factory=list)
+    # Serve on an address other than loopback without tokens (refused otherwise; `--insecure-no-auth`).
+    insecure_no_auth: bool = False
 
 
 @dataclass(slots=True)
@@ -96,6 +100,11 @@ class ServiceConfig:
     max_queued_samples: int = 1_000_000
     max_groups_per_submit: int = 4096
     consumer_ttl_s: float = 3600.0
+    max_unacked_samples: int = 65_536  # samples streamed to one consumer and not acknowledged
+    unacked_wait_s: float = 60.0  # a stream held at max_unacked_samples waits this long for an ack
+    observation_timeout_s: float = 3600.0  # a trajectory waiting this long for an observation ends
+    keepalive_s: float = 30.0  # gRPC: ping an idle connection this often...
+    keepalive_timeout_s: float = 20.0  # ...and close it when a ping is not answered within this
     push_idle_timeout_s: float = 30.0  # a weight push silent this long (or a pushed file unread) is abandoned
     # Directories file pushes (push_weights_file) may read; none: file pushes refused.
     weights_file_dirs: list[str] = field(default_factory=list)
@@ -119,6 +128,30 @@ class ServiceConfig:
         for key in ("submit_tokens", "weights_tokens"):
             d["auth"][key] = [f"<{len(d['auth'][key])} redacted>"] if d["auth"][key] else []
         return json.dumps(d, indent=2, sort_keys=True)
+
+
+def is_loopback(host: str) -> bool:
+    """Does `host` name only loopback addresses (127.0.0.0/8, ::1)?"""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None) if host else []
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback for i in infos)
+
+
+def check_exposure(cfg: ServiceConfig) -> None:
+    """Closed by default: ValueError when the service would serve an address
+    other than loopback without any token, unless `auth.insecure_no_auth`."""
+    if cfg.auth.submit_tokens or cfg.auth.weights_tokens or cfg.auth.insecure_no_auth or is_loopback(cfg.host):
+        return
+    raise ValueError(
+        f"refusing to serve on host {cfg.host!r} without authentication: set auth.submit_tokens and/or "
+        "auth.weights_tokens (or ROLLOUT_SUBMIT_TOKENS / ROLLOUT_WEIGHTS_TOKENS), or pass --insecure-no-auth "
+        "(auth.insecure_no_auth = true) to serve without tokens anyway")
 
 
 def _parse_value(text: str) -> Any:

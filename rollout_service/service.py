@@ -16,11 +16,12 @@ from grpc_reflection.v1alpha import reflection
 
 from rollout_proto import rollout_pb2
 from rollout_service.api.auth import AuthInterceptor, TokenAuth, http_middleware
+from rollout_service.api.errors import ErrorInterceptor
 from rollout_service.api.http import make_app
 from rollout_service.api.openai_http import OpenAIFrontEnd
 from rollout_service.api.servicer import RolloutServicer, add_servicer
 from rollout_service.api.validation import ModelLimits
-from rollout_service.config import ServiceConfig
+from rollout_service.config import ServiceConfig, check_exposure
 from rollout_service.engines.weights import drop_spare
 from rollout_service.core.clock import Clock
 from rollout_service.core.rollout import CoreLimits, RolloutCore
@@ -57,6 +58,7 @@ class RolloutService:
         """Build the engines and the core, then serve gRPC and HTTP. The
         ports are bound when it returns (`grpc_port`, `http_port`)."""
         cfg = self.config
+        check_exposure(cfg)  # before anything starts
         info = model_info(cfg.engine)
         tokenizer = await asyncio.to_thread(load_tokenizer, info)
         self.model_name = info.name
@@ -85,7 +87,9 @@ class RolloutService:
             engines,
             make_placement(cfg.placement),
             Clock(),
-            CoreLimits(max_queued_samples=cfg.max_queued_samples, consumer_ttl_s=cfg.consumer_ttl_s),
+            CoreLimits(max_queued_samples=cfg.max_queued_samples, consumer_ttl_s=cfg.consumer_ttl_s,
+                       max_unacked_samples=cfg.max_unacked_samples, unacked_wait_s=cfg.unacked_wait_s,
+                       observation_timeout_s=cfg.observation_timeout_s),
             detokenizer=tokenizer,
             carry_over=cfg.carry_over,
             rebalance=cfg.rebalance if cfg.rebalance.enabled else None,
@@ -110,10 +114,16 @@ class RolloutService:
         cfg = self.config
         max_msg = cfg.max_message_mb * 1024 * 1024
         self._grpc = grpc.aio.server(
-            interceptors=[AuthInterceptor(auth)] if auth.enabled else [],
+            interceptors=[ErrorInterceptor()] + ([AuthInterceptor(auth)] if auth.enabled else []),
             options=[
                 ("grpc.max_receive_message_length", max_msg),
                 ("grpc.max_send_message_length", max_msg),
+                # A client that vanished (no FIN: a dead host, a cut network)
+                # stops answering pings: its connection, and its streams, end.
+                ("grpc.keepalive_time_ms", int(cfg.keepalive_s * 1000)),
+                ("grpc.keepalive_timeout_ms", int(cfg.keepalive_timeout_s * 1000)),
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.max_pings_without_data", 0),
             ]
         )
         servicer = RolloutServicer(
@@ -125,6 +135,7 @@ class RolloutService:
             cfg.push_idle_timeout_s,
             self.spec_runtime,
             cfg.weights_file_dirs,
+            max_message_bytes=max_msg,
         )
         add_servicer(servicer, self._grpc)
         self._servicer = servicer

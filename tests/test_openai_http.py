@@ -72,11 +72,24 @@ async def _post(port, path, body) -> tuple[int, dict]:
     ("/v1/completions", b"{not json", "body"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages[0]"),
+    # Every list and string field has a limit (docs/api.md#limits); a number out of range is a 400, however large.
+    ("/v1/completions", {"prompt": [1, 2], "max_tokens": 10**400}, "max_tokens"),
+    ("/v1/completions", {"prompt": [1, 2], "n": -10**400}, "n"),
+    ("/v1/completions", {"prompt": [1, 2], "seed": 2**62}, "seed"),
+    ("/v1/completions", {"prompt": [1, 2], "stop": ["x" * 257]}, "stop"),
+    ("/v1/completions", {"prompt": [1, 2], "stop_token_ids": [2] * 257}, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "x" * 1_000_001}, "prompt"),
+    ("/v1/completions", {"prompt": [1, 2], "user": "u" * 257}, "user"),
+    ("/v1/completions", b'{"prompt": [1, 2], "n": 1' + b"0" * 5000 + b"}", "body"),
+    ("/v1/completions", b" " * (17 * 2**20), "body"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 1_000_001}]}, "messages"),
+    ("/inference/v1/generate", {"token_ids": [1, 2], "request_id": "r" * 257}, "request_id"),
 ])
 async def test_malformed_requests_get_400_naming_the_field(sim_service, path, body, param):
     status, payload = await _post(sim_service.http_port, path, body)
-    assert status == 400
+    assert status == 400, payload
     assert payload["error"]["param"] == param and param in payload["error"]["message"]
+    assert len(payload["error"]["message"]) < 400  # a huge value is not echoed back
     ok, good = await _post(sim_service.http_port, "/v1/completions", {"prompt": [1, 2], "max_tokens": 2})
     assert ok == 200 and good["choices"]
 

@@ -10,7 +10,7 @@ from collections import deque
 import pytest
 
 from rollout_service.core.clock import Clock, run_virtual
-from rollout_service.core.rollout import RolloutCore
+from rollout_service.core.rollout import CoreLimits, RolloutCore
 from rollout_service.engines.sim import SimEngine, SimParams
 from rollout_service.engines.types import EngineLoad, FinishReason, SamplingParams
 from rollout_service.engines.weights import StagedWeights
@@ -150,6 +150,45 @@ def test_trainer_driven_turn_events_and_answers():
         with pytest.raises(CoreError) as err:
             core.continue_trajectory(other, 1, [1])
         assert err.value.code == "not_found"  # the group is complete and forgotten
+        await core.stop()
+
+    run_virtual(main())
+
+
+def test_a_trajectory_nobody_answers_ends_at_the_observation_deadline_and_waiting_ones_fill_the_queue():
+    async def main():
+        limits = CoreLimits(max_queued_samples=4, observation_timeout_s=30.0)
+        core = RolloutCore(_engines(1), make_placement("least-assigned"), Clock(), limits)
+        core.submit([_group("t", 3, [[15, 25]], max_turns=2)])
+        await core.start()
+        stream = core.delivery.stream("c").__aiter__()
+        events = [(await stream.__anext__()) for _ in range(3)]
+        assert all(e.sample.awaiting_observation for e in events) and core.trajectories.waiting == 3
+        core.delivery.ack("c", events[-1].cursor)
+        # 3 trajectories wait: 1 more sample fits under max_queued_samples=4, 2 do not.
+        with pytest.raises(CoreError) as err:
+            core.submit([GroupSpec("more", [5, 6], 2, SamplingParams(max_tokens=4))])
+        assert err.value.code == "exhausted" and "3 trajectories waiting for an observation" in str(err.value)
+        t0 = core.clock.now()
+        core.continue_trajectory(events[0].sample.sample_id, 0, [3, 3])  # one is answered in time
+        finished = []
+        while len(finished) < 3:
+            entry = await stream.__anext__()
+            if not entry.sample.awaiting_observation:
+                finished.append(entry.sample)
+        waited = core.clock.now() - t0
+        answered = [s for s in finished if s.sample_id == events[0].sample.sample_id]
+        assert len(answered[0].response_token_ids) == 15 + 2 + 25 and not answered[0].drop_reason
+        ended = [s for s in finished if s not in answered]
+        assert 30.0 <= waited <= 31.5, waited
+        assert all(s.finish_reason == FinishReason.ABORTED for s in ended)
+        assert all(s.drop_reason.startswith("observation_timeout: no observation for turn 0 within "
+                                            "observation_timeout_s=30 s") for s in ended)
+        assert len(ended[0].response_token_ids) == 15  # the trajectory as it was
+        assert core.counters["observation_timeouts"] == 2
+        with pytest.raises(CoreError) as err:  # a late answer is refused, naming the trajectory
+            core.continue_trajectory(ended[0].sample_id, 0, [3])
+        assert err.value.code == "not_found"
         await core.stop()
 
     run_virtual(main())

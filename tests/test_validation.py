@@ -17,13 +17,12 @@ from helpers import collect, unique
 def _group(**overrides) -> pb.PromptGroup:
     g = pb.PromptGroup(prompt_token_ids=[1, 7, 8], num_samples=2, sampling=pb.SamplingParams(max_tokens=16))
     for key, value in overrides.items():
-        if key.startswith("sampling."):
-            setattr(g.sampling, key.split(".", 1)[1], value)
-        elif key == "prompt_token_ids":
-            del g.prompt_token_ids[:]
-            g.prompt_token_ids.extend(value)
+        target, name = (g.sampling, key.split(".", 1)[1]) if key.startswith("sampling.") else (g, key)
+        if isinstance(value, list):
+            del getattr(target, name)[:]
+            getattr(target, name).extend(value)
         else:
-            setattr(g, key, value)
+            setattr(target, name, value)
     return g
 
 
@@ -39,6 +38,13 @@ BAD_SUBMITS = [
     ({"prompt_token_ids": [1, 2, 10**6]}, "groups[0].prompt_token_ids[2]"),
     ({"sampling.top_k": 0}, "groups[0].sampling.top_k"),
     ({"sampling.min_tokens": 17}, "groups[0].sampling.min_tokens"),
+    # Every list and string field has a limit (docs/api.md#limits).
+    ({"sampling.stop_token_ids": [2] * 257}, "groups[0].sampling.stop_token_ids"),
+    ({"sampling.seed": 2**62}, "groups[0].sampling.seed"),
+    ({"prompt_token_ids": [1] * 4096}, "groups[0].prompt_token_ids"),
+    ({"prompt_text": "x" * 1_000_001}, "groups[0].prompt_text"),
+    ({"group_id": "g" * 257}, "groups[0].group_id"),
+    ({"prompt_id": "p" * 257}, "groups[0].prompt_id"),
 ]
 
 
@@ -54,6 +60,27 @@ async def test_bad_submit_is_invalid_argument_naming_the_field(client, overrides
         await client._stub.Submit(pb.SubmitRequest(groups=[_group(**overrides)]))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field in err.value.details()
+    await _valid_round_trip(client)
+
+
+BAD_ABORTS = [
+    (pb.AbortRequest(group_ids=["g"] * 4097), "group_ids"),
+    (pb.AbortRequest(group_ids=["g" * 257]), "group_ids[0]"),
+    (pb.AbortRequest(batch_id="b" * 257), "batch_id"),
+]
+
+
+@pytest.mark.parametrize("request_,field", BAD_ABORTS, ids=[f for _, f in BAD_ABORTS])
+async def test_oversized_abort_and_continue_fields_are_invalid_argument_naming_them(client, request_, field):
+    for call, message in ((client._stub.Abort, request_),
+                          (client._stub.Continue, pb.ContinueRequest(sample_id="g/0", observation_token_ids=[1] * 4096)),
+                          (client._stub.Continue, pb.ContinueRequest(sample_id="g/0", observation_text="x" * 10**6 + "x"))):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await call(message)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        named = field if call is client._stub.Abort else (
+            "observation_text" if message.observation_text else "observation_token_ids")
+        assert err.value.details().startswith(named + " ")
     await _valid_round_trip(client)
 
 

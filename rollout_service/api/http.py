@@ -7,8 +7,9 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from rollout_service.api.errors import http_errors
 from rollout_service.api.metrics import metrics_registry
-from rollout_service.api.openai_http import OpenAIFrontEnd
+from rollout_service.api.openai_http import MAX_BODY_BYTES, OpenAIFrontEnd
 from rollout_service.api.vllm_compat import VllmCompat
 from rollout_service.core.rollout import RolloutCore
 from rollout_service.core.status import CoreStatus
@@ -19,11 +20,13 @@ if TYPE_CHECKING:
 
 def readiness(st: CoreStatus) -> dict:
     """/readyz's body: ready when every engine is up (ready or updating
-    weights) and the last dispatch to an engine did not fail."""
+    weights) and the last dispatch to an engine did not fail. Open to
+    callers without a token: states and counts only, no error text (the
+    last placement error is in /v1/status)."""
     states = [e.load.state for e in st.engines]
     engines_up = bool(states) and all(s in ("ready", "updating") for s in states)
     return {"ready": engines_up and not st.placement_error, "engines": states,
-            "placement_errors": st.placement_errors, "placement_error": st.placement_error}
+            "placement_errors": st.placement_errors}
 
 
 def make_app(core: RolloutCore, openai: "OpenAIFrontEnd | None" = None,
@@ -56,7 +59,7 @@ def make_app(core: RolloutCore, openai: "OpenAIFrontEnd | None" = None,
             st["spec"] = spec_runtime.status().to_dict()
         return web.json_response(st)
 
-    app = web.Application()
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[http_errors])  # the outermost one
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/health", healthz)
     app.router.add_get("/readyz", readyz)

@@ -32,7 +32,8 @@ import uuid
 
 from aiohttp import web
 
-from rollout_service.api.validation import MAX_STOP_STRINGS, MAX_TEMPERATURE, ModelLimits
+from rollout_service.api.validation import (MAX_ID_CHARS, MAX_SEED, MAX_STOP_CHARS, MAX_STOP_STRINGS,
+                                            MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MAX_TEXT_CHARS, ModelLimits)
 from rollout_service.core.rollout import CoreError, RolloutCore
 from rollout_service.engines.types import FinishReason, SamplingParams
 from rollout_service.lifecycle.types import DeltaEvent, GroupSpec, Sample, SampleEvent
@@ -68,6 +69,15 @@ INLINE_BODY_BYTES = 64 * 1024
 # After its groups were aborted, a request waits at most this long for their
 # last events (they are queued by the abort itself).
 ABORT_DRAIN_S = 5.0
+MAX_BODY_BYTES = 16 * 2**20  # largest HTTP request body (the side server's client_max_size)
+
+
+async def read_body(request: web.Request) -> bytes:
+    """The request's body; BadRequest past MAX_BODY_BYTES."""
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise BadRequest("body", f"must be at most {MAX_BODY_BYTES} bytes, got {request.content_length}") from None
 
 
 class BadRequest(ValueError):
@@ -86,12 +96,21 @@ def _number(body: dict, key: str, default, lo: float, hi: float, integer: bool =
     value = body.get(key, default)
     if value is None:
         value = default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not float(value).is_integer()):
-        raise BadRequest(key, f"must be a{'n integer' if integer else ' number'}, got {value!r}")
-    if not math.isfinite(value) or value > hi or value < lo or (lo_open and value == lo):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+            integer and isinstance(value, float) and not value.is_integer()):
+        raise BadRequest(key, f"must be a{'n integer' if integer else ' number'}, got {_short(value)}")
+    # Compared as given: an integer too large for a float (10**400) is out of range, not an overflow.
+    if (isinstance(value, float) and not math.isfinite(value)) or value > hi or value < lo or (lo_open and value == lo):
         bracket = "(" if lo_open else "["
-        raise BadRequest(key, f"must be in {bracket}{lo}, {hi}], got {value!r}")
+        raise BadRequest(key, f"must be in {bracket}{lo}, {hi}], got {_short(value)}")
     return int(value) if integer else float(value)
+
+
+def _short(value, limit: int = 80) -> str:
+    """`repr(value)`, cut to `limit` characters (an error message never echoes a huge value)."""
+    big = isinstance(value, int) and value.bit_length() > 200
+    text = f"an integer of {value.bit_length()} bits" if big else repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _is_neutral(value, options) -> bool:
@@ -108,7 +127,7 @@ def check_keys(body: dict, allowed: set[str]) -> None:
             continue
         if key in _UNSUPPORTED:
             raise BadRequest(key, f"unsupported parameter {key!r}: this server does not implement it"
-                             + (f" (only {_NEUTRAL[key][-1]!r})" if key in _NEUTRAL else "") + f", got {value!r}")
+                             + (f" (only {_NEUTRAL[key][-1]!r})" if key in _NEUTRAL else "") + f", got {_short(value)}")
         raise BadRequest(key, f"unknown parameter {key!r}")
 
 
@@ -220,21 +239,23 @@ class OpenAIFrontEnd:
     async def parse_body(self, request: web.Request) -> dict:
         """The request's JSON object; BadRequest when it is not one, or names
         another model than the one served."""
-        return self.parse_raw(await request.read())
+        return self.parse_raw(await read_body(request))
 
     def parse_raw(self, raw: bytes) -> dict:
         try:
             body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except ValueError:  # not JSON, not UTF-8, or a number past Python's digit limit
             raise BadRequest("body", "must be a JSON object") from None
         if not isinstance(body, dict):
             raise BadRequest("body", "must be a JSON object")
         model = body.get("model")
         if model is not None and model != self.model_name:
-            raise BadRequest("model", f"this server serves {self.model_name!r}, got {model!r}")
+            raise BadRequest("model", f"this server serves {self.model_name!r}, got {_short(model)}")
         return body
 
     def _encode(self, text: str) -> list[int]:
+        if len(text) > MAX_TEXT_CHARS:
+            raise BadRequest("prompt", f"at most {MAX_TEXT_CHARS} characters, got {len(text)}")
         if self.tokenizer is None:
             raise BadRequest("prompt", "this server has no tokenizer; send token ids")
         return list(self.tokenizer.encode(text))
@@ -273,6 +294,9 @@ class OpenAIFrontEnd:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("content"), str) or not isinstance(m.get("role"), str):
                 raise BadRequest(f"messages[{i}]", "must be an object with string 'role' and 'content'")
+        chars = sum(len(m["content"]) for m in messages)
+        if chars > MAX_TEXT_CHARS:
+            raise BadRequest("messages", f"at most {MAX_TEXT_CHARS} characters of content, got {chars}")
         tok = self.tokenizer
         if tok is not None and getattr(tok, "chat_template", None):
             extra = {"tools": tools} if tools else {}
@@ -299,7 +323,7 @@ class OpenAIFrontEnd:
         choice = body.get("tool_choice")
         if tools is None or tools == []:
             if choice not in (None, "none"):
-                raise BadRequest("tool_choice", f"needs 'tools', got {choice!r}")
+                raise BadRequest("tool_choice", f"needs 'tools', got {_short(choice)}")
             return None
         if not self.supports_tools():
             raise BadRequest("tools", f"unsupported parameter 'tools': the chat template of {self.model_name!r} "
@@ -307,7 +331,7 @@ class OpenAIFrontEnd:
         if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
             raise BadRequest("tools", "must be a list of tool objects")
         if choice not in (None, "none", "auto"):
-            raise BadRequest("tool_choice", f"only 'auto' or 'none' (no constrained decoding), got {choice!r}")
+            raise BadRequest("tool_choice", f"only 'auto' or 'none' (no constrained decoding), got {_short(choice)}")
         return None if choice == "none" else tools
 
     def _stops(self, body: dict) -> tuple[tuple[str, ...], tuple[int, ...]]:
@@ -319,14 +343,17 @@ class OpenAIFrontEnd:
         elif isinstance(stop, list) and all(isinstance(x, str) for x in stop):
             stops = tuple(stop)
         else:
-            raise BadRequest("stop", f"must be a string or a list of strings, got {stop!r}")
-        if len(stops) > MAX_STOP_STRINGS or any(not x for x in stops):
-            raise BadRequest("stop", f"at most {MAX_STOP_STRINGS} non-empty strings, got {stop!r}")
+            raise BadRequest("stop", f"must be a string or a list of strings, got {_short(stop)}")
+        if len(stops) > MAX_STOP_STRINGS or any(not 1 <= len(x) <= MAX_STOP_CHARS for x in stops):
+            raise BadRequest("stop", f"at most {MAX_STOP_STRINGS} strings of 1-{MAX_STOP_CHARS} characters, "
+                             f"got {_short(stop)}")
         ids = body.get("stop_token_ids")
         if ids is None:
             ids = []
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise BadRequest("stop_token_ids", f"must be a list of token ids, got {ids!r}")
+            raise BadRequest("stop_token_ids", f"must be a list of token ids, got {_short(ids)}")
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise BadRequest("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} token ids, got {len(ids)}")
         bad = [t for t in ids if not 0 <= t < self.limits.vocab_size]
         if bad:
             raise BadRequest("stop_token_ids", f"token id {bad[0]} is outside [0, {self.limits.vocab_size - 1}]")
@@ -345,7 +372,7 @@ class OpenAIFrontEnd:
         if value is None:
             return False
         if not isinstance(value, bool):
-            raise BadRequest(key, f"must be a boolean, got {value!r}")
+            raise BadRequest(key, f"must be a boolean, got {_short(value)}")
         return value
 
     def group_spec(self, body: dict, prompt: list[int], chat: bool = False) -> tuple[GroupSpec, bool]:
@@ -364,10 +391,10 @@ class OpenAIFrontEnd:
         for key, neutral in _NEUTRAL.items():
             if key in body and not _is_neutral(body[key], neutral):
                 raise BadRequest(key, f"unsupported parameter {key!r}: this server does not implement it "
-                                 f"(only {neutral[-1]!r}), got {body[key]!r}")
+                                 f"(only {neutral[-1]!r}), got {_short(body[key])}")
         seed = body.get("seed")
-        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
-            raise BadRequest("seed", f"must be a non-negative integer, got {seed!r}")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= MAX_SEED):
+            raise BadRequest("seed", f"must be an integer in [0, {MAX_SEED}], got {_short(seed)}")
         min_tokens = _number(body, "min_tokens", 0, 0, max_tokens, integer=True)
         ignore_eos = self._flag(body, "ignore_eos")
         self._flag(body, "include_stop_str_in_output")
@@ -399,8 +426,9 @@ class OpenAIFrontEnd:
             sid, param = body.get("user"), "user"
         if sid is None:
             return None
-        if not isinstance(sid, str) or not 0 < len(sid) <= 256:
-            raise BadRequest(param, f"must be a non-empty string of at most 256 characters, got {sid!r}")
+        if not isinstance(sid, str) or not 0 < len(sid) <= MAX_ID_CHARS:
+            raise BadRequest(param, f"must be a non-empty string of at most {MAX_ID_CHARS} characters, "
+                             f"got {_short(sid)}")
         return sid
 
     # -- endpoints ---------------------------------------------------------------
@@ -414,7 +442,7 @@ class OpenAIFrontEnd:
     async def off_loop(self, request: web.Request, parse):
         """`parse(raw body)`, in a thread when the body is large (tokenizing
         and checking a long prompt would block the event loop)."""
-        raw = await request.read()
+        raw = await read_body(request)
         if len(raw) > INLINE_BODY_BYTES:
             return await asyncio.to_thread(parse, raw)
         return parse(raw)
@@ -443,7 +471,7 @@ class OpenAIFrontEnd:
         if stream is None:
             stream = False
         if not isinstance(stream, bool):
-            raise BadRequest("stream", f"must be a boolean, got {stream!r}")
+            raise BadRequest("stream", f"must be a boolean, got {_short(stream)}")
         if stream and len(prompts) > 1:
             raise BadRequest("stream", "streams one prompt per request")
         include_usage = self._stream_options(body, stream)
@@ -502,7 +530,7 @@ class OpenAIFrontEnd:
         if not stream:
             raise BadRequest("stream_options", "is only allowed with 'stream': true")
         if not isinstance(options, dict):
-            raise BadRequest("stream_options", f"must be an object, got {options!r}")
+            raise BadRequest("stream_options", f"must be an object, got {_short(options)}")
         for key in options:
             if key != "include_usage" and not (key == "continuous_usage_stats" and options[key] in (None, False)):
                 raise BadRequest(f"stream_options.{key}", f"unsupported parameter 'stream_options.{key}'")
@@ -510,7 +538,7 @@ class OpenAIFrontEnd:
         if usage is None:
             usage = False
         if not isinstance(usage, bool):
-            raise BadRequest("stream_options.include_usage", f"must be a boolean, got {usage!r}")
+            raise BadRequest("stream_options.include_usage", f"must be a boolean, got {_short(usage)}")
         return usage
 
     async def events(self, group):

@@ -15,7 +15,9 @@ from rollout_service.api.validation import FieldError, ModelLimits, TooLarge
 from rollout_service.core.rollout import CoreError, RolloutCore
 from rollout_service.api.weights_receiver import PUSH_ACCEPTED, ApplyFailed, ApplyTimedOut, PushStalled, WeightsReceiver
 from rollout_service.engines.base import WeightsRejected
+from rollout_service.engines.types import FinishReason
 from rollout_service.engines.weights import ManifestError
+from rollout_service.lifecycle.types import Sample
 
 if TYPE_CHECKING:
     from rollout_service.drafter.runtime import SpecRuntime
@@ -52,12 +54,14 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         push_idle_timeout_s: float = 30.0,
         spec_runtime: "SpecRuntime | None" = None,
         weights_file_dirs: "list[str] | tuple[str, ...]" = (),
+        max_message_bytes: int = 64 * 2**20,
     ) -> None:
         self.core = core
         self.limits = limits
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.spec_runtime = spec_runtime
+        self.max_message_bytes = max_message_bytes
         self.weights = WeightsReceiver(core, max_weights_bytes, push_idle_timeout_s, spec_runtime, weights_file_dirs)
 
     async def Submit(self, request: pb.SubmitRequest, context) -> pb.SubmitResponse:
@@ -73,13 +77,16 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             consumer = validation.consumer_id("consumer_id", request.consumer_id)
         except FieldError as exc:
             await _fail(context, exc)
-        async for entry in self.core.delivery.stream(consumer, request.from_cursor):
-            yield pb.SampleEvent(
-                cursor=entry.cursor,
-                sample=convert.sample_to_pb(entry.sample),
-                group_complete=entry.group_complete,
-                awaiting_observation=entry.sample.awaiting_observation,
-            )
+        try:
+            async for entry in self.core.delivery.stream(consumer, request.from_cursor):
+                yield pb.SampleEvent(
+                    cursor=entry.cursor,
+                    sample=convert.sample_to_pb(entry.sample),
+                    group_complete=entry.group_complete,
+                    awaiting_observation=entry.sample.awaiting_observation,
+                )
+        except CoreError as exc:  # fallen behind its acks, or dropped as silent
+            await _fail(context, exc)
 
     async def Ack(self, request: pb.AckRequest, context) -> pb.AckResponse:
         try:
@@ -91,12 +98,33 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         try:
             validation.abort_request(request)
+            if request.keep_partial:
+                self._check_partial_size(request)
             n, partials = await self.core.abort(
                 list(request.group_ids), request.batch_id, request.all, request.keep_partial
             )
-        except (FieldError, CoreError) as exc:
+        except (FieldError, TooLarge, CoreError) as exc:
             await _fail(context, exc)
         return pb.AbortResponse(aborted_groups=n, partial_samples=[convert.sample_to_pb(s) for s in partials])
+
+    # Room in a reply for each partial sample beyond its size now: the tokens
+    # an engine may still hand back when it is stopped.
+    _PARTIAL_SLACK_BYTES = 1024
+
+    def _check_partial_size(self, request: pb.AbortRequest) -> None:
+        """TooLarge (nothing aborted) when the partial samples `Abort(keep_partial)`
+        would return do not fit in one reply (`max_message_mb`)."""
+        targets = self.core.abort_targets(list(request.group_ids), request.batch_id, request.all)
+        size = 16
+        for group in targets:
+            for req in group.requests:
+                if req.finish_reason is None:
+                    sample = Sample.from_request(req, FinishReason.ABORTED)
+                    size += convert.sample_to_pb(sample).ByteSize() + self._PARTIAL_SLACK_BYTES
+            if size > self.max_message_bytes:
+                raise TooLarge(f"keep_partial: the partial samples of these {len(targets)} groups take more than "
+                               f"the largest reply, max_message_mb={self.max_message_bytes // 2**20}; nothing was "
+                               "aborted: abort fewer groups at a time (group_ids), or without keep_partial")
 
     async def Continue(self, request: pb.ContinueRequest, context) -> pb.ContinueResponse:
         """Answer a trainer-driven trajectory's turn event: append the

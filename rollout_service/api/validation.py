@@ -19,7 +19,11 @@ MAX_STOP_CHARS = 256
 MAX_TEMPERATURE = 2.0  # vLLM refuses hotter sampling; so does the OpenAI API
 MAX_TURNS = 1024
 MAX_ID_CHARS = 256
-MAX_METADATA_BYTES = 65_536
+MAX_METADATA_BYTES = 65_536  # characters of a group's metadata keys and values together
+MAX_STOP_TOKEN_IDS = 256
+MAX_TEXT_CHARS = 1_000_000  # a prompt or observation given as text
+MAX_SEED = 2**62 - 1  # room for the per-sample and per-attempt offsets (Request.engine_request)
+MAX_ABORT_GROUP_IDS = 4096
 # A Submit with more prompt texts than this, or more characters of text or
 # token ids than INLINE_PROMPT_UNITS, is validated in a worker thread:
 # tokenising and checking them would block the event loop.
@@ -56,6 +60,11 @@ def _check_id(field: str, value: str) -> None:
         raise FieldError(field, f"must be at most {MAX_ID_CHARS} characters, got {len(value)}")
 
 
+def _check_text(field: str, text: str) -> None:
+    if len(text) > MAX_TEXT_CHARS:
+        raise FieldError(field, f"must be at most {MAX_TEXT_CHARS} characters, got {len(text)}")
+
+
 def _check_tokens(field: str, ids, vocab: int) -> None:
     if len(ids) and 0 <= min(ids) and max(ids) < vocab:  # at C speed; the loop only names the culprit
         return
@@ -83,7 +92,11 @@ def sampling_params(field: str, sp: pb.SamplingParams, prompt_len: int, limits: 
     min_tokens = sp.min_tokens if sp.HasField("min_tokens") else 0
     if min_tokens > sp.max_tokens:
         raise FieldError(f"{field}.min_tokens", f"must be in [0, max_tokens {sp.max_tokens}], got {min_tokens}")
+    if len(sp.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise FieldError(f"{field}.stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} token ids, got {len(sp.stop_token_ids)}")
     _check_tokens(f"{field}.stop_token_ids", sp.stop_token_ids, limits.vocab_size)
+    if sp.HasField("seed") and sp.seed > MAX_SEED:
+        raise FieldError(f"{field}.seed", f"must be in [0, {MAX_SEED}], got {sp.seed}")
     if sp.stop:
         if len(sp.stop) > MAX_STOP_STRINGS:
             raise FieldError(f"{field}.stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(sp.stop)}")
@@ -121,6 +134,7 @@ def submit_request(req: pb.SubmitRequest, limits: ModelLimits, tokenizer: Tokeni
         if g.prompt_token_ids and g.prompt_text:
             raise FieldError(f"{f}.prompt_text", "set prompt_token_ids or prompt_text, not both")
         if g.prompt_text:
+            _check_text(f"{f}.prompt_text", g.prompt_text)
             if tokenizer is None:
                 raise FieldError(f"{f}.prompt_text", "this server has no tokenizer; send prompt_token_ids")
             prompt = list(tokenizer.encode(g.prompt_text))
@@ -137,7 +151,8 @@ def submit_request(req: pb.SubmitRequest, limits: ModelLimits, tokenizer: Tokeni
             _check_tokens(f"{f}.prompt_token_ids", prompt, limits.vocab_size)
         meta_bytes = sum(len(k) + len(v) for k, v in g.metadata.items())
         if meta_bytes > MAX_METADATA_BYTES:
-            raise FieldError(f"{f}.metadata", f"must be at most {MAX_METADATA_BYTES} bytes, got {meta_bytes}")
+            raise FieldError(f"{f}.metadata", f"must be at most {MAX_METADATA_BYTES} characters (keys and values), "
+                             f"got {meta_bytes}")
         if not g.HasField("sampling"):
             raise FieldError(f"{f}.sampling.max_tokens", f"must be in [1, {limits.max_model_len - len(prompt)}], got 0")
         sampling = sampling_params(f"{f}.sampling", g.sampling, len(prompt), limits)
@@ -192,11 +207,15 @@ def continue_request(req: pb.ContinueRequest, limits: ModelLimits, tokenizer: To
         field = "observation_token_ids" if req.observation_token_ids else "observation_text"
         raise FieldError(field, "must be empty with done: a finished trajectory takes no observation")
     if req.observation_text:
+        _check_text("observation_text", req.observation_text)
         if tokenizer is None:
             raise FieldError("observation_text", "this server has no tokenizer; send observation_token_ids")
         observation = list(tokenizer.encode(req.observation_text, add_special_tokens=False))
     else:
         observation = list(req.observation_token_ids)
+        if len(observation) >= limits.max_model_len:
+            raise FieldError("observation_token_ids", f"{len(observation)} tokens must be fewer than max_model_len "
+                             f"{limits.max_model_len}")
         _check_tokens("observation_token_ids", observation, limits.vocab_size)
     return Continuation(req.sample_id, req.turn, observation, req.done)
 
@@ -235,6 +254,10 @@ def consumer_id(field: str, value: str) -> str:
 def abort_request(req: pb.AbortRequest) -> None:
     if not (req.group_ids or req.batch_id or req.all):
         raise FieldError("group_ids", "name at least one group, a batch_id, or set all")
+    if len(req.group_ids) > MAX_ABORT_GROUP_IDS:
+        raise FieldError("group_ids", f"at most {MAX_ABORT_GROUP_IDS} group ids, got {len(req.group_ids)}")
+    _check_id("batch_id", req.batch_id)
     for i, g in enumerate(req.group_ids):
         if not g:
             raise FieldError(f"group_ids[{i}]", "must not be empty")
+        _check_id(f"group_ids[{i}]", g)

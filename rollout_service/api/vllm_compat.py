@@ -36,6 +36,7 @@ import uuid
 
 from aiohttp import web
 
+from rollout_service.api.validation import MAX_ID_CHARS
 from rollout_service.api.openai_http import FINISH_REASONS, BadRequest, OpenAIFrontEnd, check_keys, error_response
 from rollout_service.core.rollout import CoreError, RolloutCore
 from rollout_service.lifecycle.types import Sample
@@ -168,7 +169,7 @@ class VllmCompat:
             if group.group_id in self.core.groups:  # the client went away (cancelled): free the engines
                 await self.core.abort([group.group_id])
         response = {
-            "request_id": str(body.get("request_id") or f"gen-{uuid.uuid4().hex[:24]}"),
+            "request_id": body.get("request_id") or f"gen-{uuid.uuid4().hex[:24]}",
             "model": front.model_name,
             "created": int(time.time()),
             "output_mode": "tokens",
@@ -188,6 +189,9 @@ class VllmCompat:
         front = self.front
         body = front.parse_raw(raw)
         check_keys(body, _GENERATE_KEYS)
+        rid = body.get("request_id")
+        if rid is not None and not (isinstance(rid, str) and len(rid) <= MAX_ID_CHARS):
+            raise BadRequest("request_id", f"must be a string of at most {MAX_ID_CHARS} characters")
         if body.get("features") is not None or body.get("content_parts") is not None:
             raise BadRequest("features", "multimodal inputs are not supported by this server")
         if body.get("stream"):

@@ -7,9 +7,15 @@ again when it reconnects (at-least-once on the wire, exactly-once for a
 consumer that acknowledges and resumes from the last cursor it saw).
 
 Memory stays bounded: an entry is dropped once every live consumer has
-acknowledged it; consumers silent for longer than `consumer_ttl_s` stop
-pinning entries (their unacknowledged samples go to whoever connects next
-under a fresh id only if nobody acknowledged them yet).
+acknowledged it. A consumer is live while one of its streams waits for new
+samples (it has everything), or for `consumer_ttl_s` after it was last
+seen (a stream opened or closed, a sample sent, an ack); one that is not
+stops pinning entries, and a stream of it still open (its reader stuck)
+ends with FAILED_PRECONDITION. Its unacknowledged samples go to whoever
+connects next under a fresh id only if nobody acknowledged them yet. A
+stream holds at most `max_unacked_samples` sent and not acknowledged: it
+waits for an ack, and ends with RESOURCE_EXHAUSTED naming the bound when
+none comes within `unacked_wait_s`.
 """
 from __future__ import annotations
 
@@ -18,7 +24,9 @@ import bisect
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
-from rollout_service.lifecycle.types import Sample
+from rollout_service.lifecycle.types import CoreError, Sample
+
+PRUNE_INTERVAL_S = 1.0  # silent consumers are looked for at most this often as samples arrive
 
 
 @dataclass(slots=True)
@@ -34,12 +42,18 @@ class Consumer:
     acked: int = 0
     streams: int = 0  # open streams
     last_seen: float = 0.0
+    idle: int = 0  # streams waiting for new samples (this consumer has everything)
+    expired: bool = False  # dropped as silent: its open streams end
 
 
 class DeliveryLog:
-    def __init__(self, now: Callable[[], float], consumer_ttl_s: float = 3600.0) -> None:
+    def __init__(self, now: Callable[[], float], consumer_ttl_s: float = 3600.0, max_unacked: int = 65_536,
+                 unacked_wait_s: float = 60.0) -> None:
         self._now = now
         self._ttl = consumer_ttl_s
+        self._max_unacked = max_unacked
+        self._unacked_wait_s = unacked_wait_s
+        self._pruned_at = 0.0
         # Entries below _head are pruned; the list is compacted now and then.
         self._entries: list[Entry] = []
         self._head = 0
@@ -59,6 +73,7 @@ class DeliveryLog:
         self._last += 1
         self._entries.append(Entry(self._last, sample, group_complete))
         self._wake()
+        self.maybe_prune()
         return self._last
 
     def entries(self) -> list[Entry]:
@@ -94,42 +109,91 @@ class DeliveryLog:
     def ack(self, consumer_id: str, cursor: int) -> int:
         """Acknowledge up to `cursor` (clamped to the last cursor); returns the acked cursor."""
         c = self.consumer(consumer_id)
-        c.acked = max(c.acked, min(cursor, self._last))
+        acked = max(c.acked, min(cursor, self._last))
+        if acked > c.acked:
+            c.acked = acked
+            self._wake()  # a stream held at max_unacked_samples may go on
         self._prune()
         return c.acked
 
+    def maybe_prune(self) -> None:
+        """Prune unless that was done less than PRUNE_INTERVAL_S ago."""
+        if self._now() - self._pruned_at >= PRUNE_INTERVAL_S:
+            self._prune()
+
     def _prune(self) -> None:
-        now = self._now()
-        live = [c for c in self._consumers.values() if c.streams > 0 or now - c.last_seen < self._ttl]
+        now = self._pruned_at = self._now()
+        live, dead = [], []
+        for c in self._consumers.values():
+            (live if c.idle > 0 or now - c.last_seen < self._ttl else dead).append(c)
+        for c in dead:
+            c.expired = True
+            del self._consumers[c.consumer_id]
         if not live:
-            return
+            return  # kept for whoever connects next
         floor = min(c.acked for c in live)
         while self._head < len(self._entries) and self._entries[self._head].cursor <= floor:
             self._head += 1
         if self._head > 1024 and self._head * 2 > len(self._entries):
             del self._entries[: self._head]
             self._head = 0
-        for cid in [c.consumer_id for c in self._consumers.values() if c not in live]:
-            del self._consumers[cid]
 
     def _after(self, cursor: int) -> list[Entry]:
+        """The entries above `cursor`, at most max_unacked_samples of them."""
         i = bisect.bisect_right(self._entries, cursor, lo=self._head, key=lambda e: e.cursor)
-        return self._entries[i:]
+        return self._entries[i : i + self._max_unacked]
 
     async def stream(self, consumer_id: str, from_cursor: int = 0) -> AsyncIterator[Entry]:
-        """Yield entries above max(acked, from_cursor), then new ones as they come."""
+        """Yield entries above max(acked, from_cursor), then new ones as they
+        come; CoreError when the consumer falls `max_unacked_samples` behind
+        its acks for `unacked_wait_s`, or is dropped as silent (see above)."""
         c = self.consumer(consumer_id)
         c.streams += 1
         position = max(c.acked, from_cursor)
         try:
             while True:
+                self._check(c)
                 changed = self._changed
-                batch = self._after(max(position, c.acked))
+                position = max(position, c.acked)
+                batch = self._after(position)
                 for entry in batch:
+                    if entry.cursor - c.acked > self._max_unacked:
+                        break
                     position = entry.cursor
                     yield entry
-                if not batch:
-                    await changed.wait()
+                    c.last_seen = self._now()
+                    self._check(c)
+                else:
+                    if not batch:
+                        c.idle += 1
+                        try:
+                            await changed.wait()
+                        finally:
+                            c.idle -= 1
+                    continue
+                await self._wait_for_ack(c, changed)
         finally:
             c.streams -= 1
             c.last_seen = self._now()
+
+    def _check(self, c: Consumer) -> None:
+        if c.expired:
+            raise CoreError("failed_precondition", f"consumer_id {c.consumer_id!r}: dropped after consumer_ttl_s="
+                            f"{self._ttl:g} s without reading a sample or acknowledging; samples it had not "
+                            "acknowledged may have been delivered to other consumers; reconnect to go on")
+
+    async def _wait_for_ack(self, c: Consumer, changed: asyncio.Event) -> None:
+        """Wait (at most `unacked_wait_s`) until `c` acknowledges something."""
+        acked, deadline = c.acked, asyncio.get_running_loop().time() + self._unacked_wait_s
+        while c.acked == acked:
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                raise CoreError("exhausted", f"consumer_id {c.consumer_id!r}: {self._max_unacked} samples streamed "
+                                f"and not acknowledged (max_unacked_samples) and no ack for unacked_wait_s="
+                                f"{self._unacked_wait_s:g} s; acknowledge (Ack, RolloutClient.ack or "
+                                "stream(ack_every=...)) to receive more")
+            try:
+                await asyncio.wait_for(changed.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+            changed = self._changed

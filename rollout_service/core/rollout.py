@@ -75,6 +75,9 @@ class CoreLimits:
     remembered_group_ids: int = 1_000_000  # for Submit idempotency after completion
     consumer_ttl_s: float = 3600.0
     health_interval_s: float = 1.0  # how often engines are checked for death
+    max_unacked_samples: int = 65_536  # per consumer: streamed and not acknowledged
+    unacked_wait_s: float = 60.0  # a stream held at that bound waits this long for an ack
+    observation_timeout_s: float = 3600.0  # a trajectory waiting this long for an observation ends
 
 
 class RolloutCore:
@@ -105,7 +108,8 @@ class RolloutCore:
         self.detokenizer = detokenizer
         self.counters: Counter[str] = Counter()
         self.histograms = {"sample_latency_seconds": Histogram(), "weight_update_seconds": Histogram()}
-        self.delivery = DeliveryLog(self.clock.now, self.limits.consumer_ttl_s)
+        self.delivery = DeliveryLog(self.clock.now, self.limits.consumer_ttl_s, self.limits.max_unacked_samples,
+                                    self.limits.unacked_wait_s)
         self.groups: dict[str, Group] = {}
         self._done_groups: OrderedDict[str, None] = OrderedDict()
         self.queue: deque[Request] = deque()
@@ -129,7 +133,7 @@ class RolloutCore:
         # Awaited with (version, staged weights or None) once a pushed version
         # serves everywhere (e.g. the drafter trainer distilling from the policy).
         self.weight_taps = self.weight_sync.taps
-        self.trajectories = Trajectories(self, dict(environments or {}))
+        self.trajectories = Trajectories(self, dict(environments or {}), self.limits.observation_timeout_s)
 
     # -- the parts, as attributes callers know -------------------------------------
 
@@ -193,6 +197,7 @@ class RolloutCore:
         await self.weight_sync.apply_restored()
         self._tasks.spawn(self._dispatch_loop(), name="dispatch")
         self.trajectories.resume_restored()
+        self._tasks.spawn(self.trajectories.expire_loop(), name="observation-deadline")
         self._wake.set()  # restored work may be waiting
         self._tasks.spawn(self.fleet.watch(self.limits.health_interval_s), name="engine-watch")
         if self.rebalance is not None:
@@ -264,12 +269,16 @@ class RolloutCore:
         """Enqueue groups; returns (group_id, created) per spec. A known
         group id is not created again (idempotent retries)."""
         new = sum(s.num_samples for s in specs if not self.knows(s.group_id))
-        pending = len(self.queue) + len(self.requests)
+        self.delivery.maybe_prune()
+        running = len(self.queue) + len(self.requests)
+        waiting, retained = self.trajectories.waiting, self.delivery.retained
+        pending = running + waiting + retained
         if pending + new > self.limits.max_queued_samples:
             raise CoreError(
                 "exhausted",
-                f"queue full: {pending} samples pending, {new} more would exceed "
-                f"max_queued_samples={self.limits.max_queued_samples}; retry later",
+                f"queue full: {pending} samples pending ({running} queued or running, {waiting} trajectories "
+                f"waiting for an observation, {retained} delivered and not acknowledged by every consumer), "
+                f"{new} more would exceed max_queued_samples={self.limits.max_queued_samples}; retry later",
             )
         for i, spec in enumerate(specs):
             if spec.multi_turn is not None:
@@ -455,7 +464,7 @@ class RolloutCore:
         delivered regardless."""
         req.finished_at = self.clock.now()
         req.finish_reason = reason
-        req.awaiting = False
+        self.trajectories.stop_waiting(req)
         group = req.group
         group.finished += 1
         sample = Sample.from_request(req, reason)
@@ -559,15 +568,7 @@ class RolloutCore:
         includes the private groups of request/response front ends: their
         listeners get each unfinished sample, finish reason ABORTED (the
         request answers at once), and their samples are not returned."""
-        if all_groups:
-            targets = list(self.groups.values())
-        elif batch_id:
-            targets = [g for g in self.groups.values() if g.spec.batch_id == batch_id]
-        else:
-            missing = [g for g in group_ids if g not in self.groups]
-            if missing:
-                raise CoreError("not_found", f"group_ids: unknown or finished group {missing[0]!r}")
-            targets = [self.groups[g] for g in group_ids]
+        targets = self.abort_targets(group_ids, batch_id, all_groups)
         partials: list[Sample] = []
         self._unqueue(targets)  # once for all of them: a queue pass per group is quadratic
         for group in targets:
@@ -576,6 +577,19 @@ class RolloutCore:
                 partials.extend(samples)
         self.counters["groups_aborted"] += len(targets)
         return len(targets), partials
+
+    def abort_targets(self, group_ids: Sequence[str] = (), batch_id: str = "",
+                      all_groups: bool = False) -> list[Group]:
+        """The open groups an `abort` with these arguments stops (NOT_FOUND
+        CoreError for an unknown group id); nothing changes."""
+        if all_groups:
+            return list(self.groups.values())
+        if batch_id:
+            return [g for g in self.groups.values() if g.spec.batch_id == batch_id]
+        missing = [g for g in group_ids if g not in self.groups]
+        if missing:
+            raise CoreError("not_found", f"group_ids: unknown or finished group {missing[0]!r}")
+        return [self.groups[g] for g in group_ids]
 
     async def _give_up(self, group: Group, drop_reason: str = "") -> list[Sample]:
         """The one way a group ends unfinished: its unfinished requests are
@@ -592,7 +606,7 @@ class RolloutCore:
         for req in pending:
             await self.preempt(req)
             self.trajectories.close_turn(req, FinishReason.ABORTED)
-            req.awaiting = False
+            self.trajectories.stop_waiting(req)
             req.finish_reason = FinishReason.ABORTED
             req.finished_at = self.clock.now()
             sample = Sample.from_request(req, FinishReason.ABORTED)

@@ -22,6 +22,7 @@ nothing.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections import Counter
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
@@ -59,9 +60,14 @@ class TrajectoryOps(Protocol):
 
 
 class Trajectories:
-    def __init__(self, core: TrajectoryOps, environments: Mapping[str, "Environment"]) -> None:
+    def __init__(self, core: TrajectoryOps, environments: Mapping[str, "Environment"],
+                 observation_timeout_s: float = 3600.0) -> None:
         self.core = core
         self.environments = dict(environments)
+        self.observation_timeout_s = observation_timeout_s
+        # Trajectories waiting for an observation, oldest first (a weight push
+        # that restarts one leaves its entry until it reaches the front).
+        self._waiting: dict[str, Request] = {}
         self._calls = TaskSet()  # environment calls in flight
         self._max_model_len: int | None = None
         self.mean_turn = 0.0  # running mean of finished generated turns' lengths (0: none yet)
@@ -160,7 +166,7 @@ class Trajectories:
             return
         req.awaiting = True
         req.affinity = engine_id
-        req.awaiting_since = core.clock.now()
+        self._wait(req, core.clock.now())
         if mt.environment:
             self._calls.spawn(self._call(req, req.epoch, req.turn_index - 1), name=f"env-{req.request_id}")
             return
@@ -180,12 +186,52 @@ class Trajectories:
                 continue
             for req in group.requests:
                 if req.awaiting and req.finish_reason is None:
-                    req.awaiting_since = now
+                    self._wait(req, now)
                     if mt.environment:
                         self._calls.spawn(self._call(req, req.epoch, req.turn_index - 1), name=f"env-{req.request_id}")
 
     async def stop(self) -> None:
         await self._calls.cancel_all()
+
+    # -- the observation deadline ----------------------------------------------------
+
+    @property
+    def waiting(self) -> int:
+        """Trajectories waiting for an observation (they count against max_queued_samples)."""
+        return len(self._waiting)
+
+    def _wait(self, req: Request, now: float) -> None:
+        req.awaiting_since = now
+        self._waiting.pop(req.request_id, None)  # to the back: the newest wait
+        self._waiting[req.request_id] = req
+
+    def stop_waiting(self, req: Request) -> None:
+        req.awaiting = False
+        self._waiting.pop(req.request_id, None)
+
+    def expire(self) -> int:
+        """End the trajectories that have waited `observation_timeout_s` for
+        an observation: finish ABORTED, `drop_reason` "observation_timeout:
+        ..." (a sample delivered like any given up). Returns how many."""
+        now, limit, ended = self.core.clock.now(), self.observation_timeout_s, 0
+        while self._waiting:
+            rid, req = next(iter(self._waiting.items()))
+            if req.awaiting and req.finish_reason is None and not req.group.aborted:
+                if now - req.awaiting_since < limit:
+                    break
+                ended += 1
+                self.core.counters["observation_timeouts"] += 1
+                self.core.finish(req, FinishReason.ABORTED, drop_reason=(
+                    f"observation_timeout: no observation for turn {req.turn_index - 1} within "
+                    f"observation_timeout_s={limit:g} s"))
+            self._waiting.pop(rid, None)
+        return ended
+
+    async def expire_loop(self) -> None:
+        """`expire` every second (or every `observation_timeout_s`, if shorter)."""
+        while True:
+            await asyncio.sleep(min(1.0, self.observation_timeout_s))
+            self.expire()
 
     # -- answers -------------------------------------------------------------------
 
@@ -231,7 +277,7 @@ class Trajectories:
     def _apply(self, req: Request, observation: list[int], done: bool, tool_s: float) -> None:
         core = self.core
         req.answered_turn = req.turn_index - 1
-        req.awaiting = False
+        self.stop_waiting(req)
         if done:
             last = req.turns[-1].finish_reason if req.turns else FinishReason.STOP
             core.finish(req, last or FinishReason.STOP)
@@ -273,7 +319,7 @@ class Trajectories:
                 return
             core.counters["environment_errors"] += 1
             log.warning("environment %r failed on %s turn %d: %s", name, req.request_id, turn, exc)
-            req.awaiting = False
+            self.stop_waiting(req)
             core.finish(req, FinishReason.ABORTED, drop_reason=f"environment {name!r} failed: {exc}")
             return
         if self._stale(req, epoch, turn):
@@ -283,7 +329,7 @@ class Trajectories:
             # It does not fit: the trajectory ends here, at its length limit.
             core.counters["observations_too_long"] += 1
             req.answered_turn = turn
-            req.awaiting = False
+            self.stop_waiting(req)
             core.finish(req, FinishReason.LENGTH)
             return
         self._apply(req, observation, reply.done, tool_s)
