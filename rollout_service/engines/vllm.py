@@ -36,7 +36,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import AsyncIterator, Mapping
+from typing import AsyncIterator, Mapping, Sequence
 
 from rollout_service.engines.types import (
     EngineDescription,
@@ -50,7 +50,8 @@ from rollout_service.engines.types import (
 from rollout_service.engines.weights import StagedWeights, checkpoint_manifest
 from rollout_service.engines.base import EngineError, WeightsRejected
 from rollout_service.engines.collective import TransferInit
-from rollout_service.engines.spec_config import SpecConfig
+from rollout_service.engines.spec_config import SpecConfig, graph_depths
+from rollout_service.engines.vllm_args import engine_args, spawn_environment, uses_cuda_graphs
 from rollout_service.engines.spec_monitor import SpecMonitor
 from rollout_service.engines.vllm_speculation import VllmSpeculation, spec_counts
 
@@ -64,22 +65,11 @@ STAGED_POLL_S = 0.02  # how often a staged receive's progress is read
 _SPAWN_LOCK = threading.Lock()  # engines spawn one at a time (they share os.environ)
 
 
-def default_dtype() -> str:
-    """float32 on vLLM's CPU platform (bf16 kills some CPU engines with
-    SIGILL, and is no faster for small models there); vLLM's "auto" (the
-    checkpoint's dtype) elsewhere. `vllm_args["dtype"]` overrides it."""
+def this_platform() -> str:
+    """"cpu" on vLLM's CPU platform, else "cuda" (`vllm_args.PLATFORMS`)."""
     from vllm.platforms import current_platform
 
-    return "float32" if current_platform.is_cpu() else "auto"
-
-
-def default_transfer_backend() -> str:
-    """The collective weight-transfer backend of this platform: vLLM's
-    `nccl` on GPUs, this project's `gloo` (engines/vllm_transfer.py) on a CPU.
-    `vllm_args["weight_transfer_config"]` overrides it."""
-    from vllm.platforms import current_platform
-
-    return "gloo" if current_platform.is_cpu() else "nccl"
+    return "cpu" if current_platform.is_cpu() else "cuda"
 
 
 def _with_environment(env: Mapping[str, str], build):
@@ -161,6 +151,10 @@ class VllmEngine:
         env: Mapping[str, str] | None = None,
         require_exact_sampler: bool = True,
         collective_receive: str = "staged",
+        platform: str = "",
+        devices: Sequence[str] = (),
+        tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float = 0.9,
     ) -> None:
         self.engine_id = engine_id
         self.model = model
@@ -170,6 +164,12 @@ class VllmEngine:
         self.cpu_bind = cpu_bind
         self.seed = seed
         self.vllm_args = dict(vllm_args or {})
+        # Where it runs (the device plan's): "cpu" or "cuda" ("": this
+        # machine's, read at start), its GPUs, its tensor-parallel size.
+        self.platform = platform
+        self.devices = tuple(str(d) for d in devices)
+        self.tensor_parallel_size = tensor_parallel_size
+        self.gpu_memory_utilization = gpu_memory_utilization
         # Speculative decoding (off by default) and extra environment for the
         # engine's processes (e.g. ROLLOUT_STOCK_SPEC_SAMPLER=1).
         self.spec = spec if isinstance(spec, SpecConfig) else SpecConfig.from_dict(spec)
@@ -179,6 +179,10 @@ class VllmEngine:
         self.require_exact_sampler = require_exact_sampler
         self.speculation: VllmSpeculation | None = (
             VllmSpeculation(self, SpecMonitor(self.spec, max_seqs)) if self.spec.enabled else None)
+        if self.speculation is not None and platform and uses_cuda_graphs(self._engine_args()):
+            # The depth tuner keeps to the depths whose CUDA graphs vLLM captured.
+            self.speculation.monitor.graph_depths = graph_depths(self.spec.schedule, max_seqs,
+                                                                 self.spec.num_speculative_tokens)
         self._llm = None
         self._state = EngineState.STARTING
         self._kv_capacity = 0  # tokens, known once the engine core is up
@@ -249,33 +253,18 @@ class VllmEngine:
                  self._kv_capacity)
 
     def _engine_args(self) -> dict[str, object]:
-        """vLLM's engine arguments: this service's defaults, then speculation,
-        then `vllm_args` (which override both)."""
-        args: dict[str, object] = dict(
-            model=self.model,
-            dtype=default_dtype(),
-            enforce_eager=True,
-            max_model_len=self.max_model_len,
-            max_num_seqs=self.max_seqs,
-            seed=self.seed,
-            worker_extension_cls="rollout_service.engines.vllm_worker.RolloutWorkerExtension",
-            logprobs_mode="processed_logprobs",
-            disable_log_stats=False,
-            weight_transfer_config={"backend": default_transfer_backend()},
-        )
-        if self.spec.enabled:
-            args["speculative_config"] = self.spec.vllm_speculative_config(self.max_seqs)
-            args["per_request_spec_decode_metrics"] = "summary"
-        args.update(self.vllm_args)
-        return args
+        """vLLM's engine arguments (`vllm_args.engine_args`): this service's
+        defaults for the platform, then speculation, then `vllm_args`."""
+        return engine_args(self.platform or this_platform(), self.model, max_seqs=self.max_seqs,
+                           max_model_len=self.max_model_len, seed=self.seed,
+                           tensor_parallel_size=self.tensor_parallel_size,
+                           gpu_memory_utilization=self.gpu_memory_utilization, spec=self.spec,
+                           vllm_args=self.vllm_args)
 
     def _spawn_environment(self) -> dict[str, str]:
         """What this engine's processes read from the environment at spawn."""
-        env = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, round(self.kv_cache_gib)))}
-        if self.cpu_bind is not None:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_bind
-        env.update(self.env)
-        return env
+        return spawn_environment(self.platform or this_platform(), devices=self.devices,
+                                 kv_cache_gib=self.kv_cache_gib, cpu_bind=self.cpu_bind, extra=self.env)
 
     def _read_kv_capacity(self) -> int:
         """Tokens the engine core's KV cache holds: its block count (sent back
@@ -530,10 +519,11 @@ class VllmEngine:
         return int(cfg.world_size) * int(cfg.data_parallel_size) if cfg is not None else 1
 
     def transfer_backend(self) -> str:
+        default = "gloo" if (self.platform or this_platform()) == "cpu" else "nccl"
         cfg = self.vllm_args.get("weight_transfer_config")
         if isinstance(cfg, Mapping):
-            return str(cfg.get("backend", default_transfer_backend()))
-        return str(getattr(cfg, "backend", None) or default_transfer_backend())
+            return str(cfg.get("backend", default))
+        return str(getattr(cfg, "backend", None) or default)
 
     async def init_weight_transfer(self, init: TransferInit) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
