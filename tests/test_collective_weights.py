@@ -231,3 +231,33 @@ async def test_engine_restarted_after_a_collective_push_comes_back_at_its_versio
     # The group lost a member: the next push forms it again by itself.
     reply = await _push(client, bundled_weights(), version + 1)
     assert reply.applied_version == version + 1
+
+
+async def test_a_failed_push_with_no_copy_to_restore_serves_the_model_weights_tagged_version_0(vllm_service, client):
+    """As on GPUs: no stager rank keeps a copy of a collective push, and the
+    engines load it as it arrives. After a later push fails half-way, an
+    engine cannot go back to the serving version: it reloads the model
+    directory's weights and tags what it samples version 0, never the
+    serving version's tag on other weights."""
+    core = vllm_service.core
+    core.collective.stage = False
+    for engine in core.engines.values():
+        engine.collective_receive = "direct"
+    try:
+        version = (await client.status()).policy_version + 1
+        w = perturbed(bundled_weights())
+        await _push(client, w, version)
+        stall = _Stalling(perturbed(w, seed=1), after=len(w) // 2)
+        push = asyncio.ensure_future(_push(client, stall, version + 1))
+        await wait_until(stall.stalled.is_set, 60, "the trainer to stall half-way through its weights")
+        with pytest.raises(Exception):
+            await push
+        stall.release.set()
+        status = await client.status()
+        assert status.policy_version == version  # the service's version stays...
+        assert [e.policy_version for e in status.engines] == [0, 0]  # ...the engines say what they serve
+        assert await _sample_gap(client, bundled_weights(), 0) < 1e-3  # the model directory's weights, tagged 0
+    finally:
+        core.collective.stage = True
+        for engine in core.engines.values():
+            engine.collective_receive = "staged"

@@ -52,6 +52,7 @@ from rollout_service.engines.base import EngineError, WeightsRejected
 from rollout_service.engines.collective import TransferInit
 from rollout_service.engines.spec_config import SpecConfig, graph_depths
 from rollout_service.engines.vllm_args import engine_args, spawn_environment, uses_cuda_graphs
+from rollout_service.engines.vllm_internals import check_internals, check_live
 from rollout_service.engines.spec_monitor import SpecMonitor
 from rollout_service.engines.vllm_speculation import VllmSpeculation, spec_counts
 
@@ -215,7 +216,8 @@ class VllmEngine:
         """Start (or restart, after a death) the engine; returns when ready.
 
         Raises EngineError, with the engine shut down again, when the engine
-        would speculate inexactly (`VllmSpeculation.check_exact_sampler`)."""
+        would speculate inexactly (`VllmSpeculation.check_exact_sampler`) or
+        the installed vLLM lacks an internal relied on (`vllm_internals`)."""
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -239,6 +241,10 @@ class VllmEngine:
         self._dtype = str(args["dtype"])
         self._kv_capacity = self._read_kv_capacity()
         try:
+            # Every vLLM internal relied on, or this engine stops here, named.
+            check_internals(self.spec.enabled, self.spec.has_model,
+                            getattr(self._llm.vllm_config, "use_v2_model_runner", None))
+            check_live(self._llm)
             if self.speculation is not None:
                 await self.speculation.check_exact_sampler()
             await self._llm.update_weight_version(str(self._version))
@@ -631,6 +637,13 @@ class VllmEngine:
                 self._update_open = False
                 await asyncio.wait_for(self._llm.finish_weight_update(), timeout)
             await self.close_weight_transfer()
+            if fallback is None and version != 0:
+                # No copy of the serving weights (an NCCL push is not
+                # staged): the engine goes back to the model directory's
+                # weights and says so, version 0, until the next push.
+                log.warning("%s: no staged copy of version %d to restore after the failed push; serving the model "
+                            "directory's weights as version 0 until the next push", self.engine_id, version)
+                version = 0
             paths = [await fallback.as_file()] if fallback is not None else \
                 [str(p) for p in sorted(Path(self.model).glob("*.safetensors"))]
             for path in paths:
