@@ -237,8 +237,8 @@ async def test_a_failed_push_with_no_copy_to_restore_serves_the_model_weights_ta
     """As on GPUs: no stager rank keeps a copy of a collective push, and the
     engines load it as it arrives. After a later push fails half-way, an
     engine cannot go back to the serving version: it reloads the model
-    directory's weights and tags what it samples version 0, never the
-    serving version's tag on other weights."""
+    directory's weights (it restarts) and tags what it samples version 0,
+    never the serving version's tag on other weights."""
     core = vllm_service.core
     core.collective.stage = False
     for engine in core.engines.values():
@@ -247,12 +247,15 @@ async def test_a_failed_push_with_no_copy_to_restore_serves_the_model_weights_ta
         version = (await client.status()).policy_version + 1
         w = perturbed(bundled_weights())
         await _push(client, w, version)
+        restarts = {e.engine_id: e.restarts for e in core.engines.values()}
         stall = _Stalling(perturbed(w, seed=1), after=len(w) // 2)
         push = asyncio.ensure_future(_push(client, stall, version + 1))
         await wait_until(stall.stalled.is_set, 60, "the trainer to stall half-way through its weights")
         with pytest.raises(Exception):
             await push
         stall.release.set()
+        await wait_until(lambda: all(e.load().state == "ready" and e.restarts == restarts[e.engine_id] + 1
+                                     for e in core.engines.values()), 300, "the engines to restart")
         status = await client.status()
         assert status.policy_version == version  # the service's version stays...
         assert [e.policy_version for e in status.engines] == [0, 0]  # ...the engines say what they serve

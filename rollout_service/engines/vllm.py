@@ -638,12 +638,11 @@ class VllmEngine:
                 await asyncio.wait_for(self._llm.finish_weight_update(), timeout)
             await self.close_weight_transfer()
             if fallback is None and version != 0:
-                # No copy of the serving weights (an NCCL push is not
-                # staged): the engine goes back to the model directory's
-                # weights and says so, version 0, until the next push.
-                log.warning("%s: no staged copy of version %d to restore after the failed push; serving the model "
-                            "directory's weights as version 0 until the next push", self.engine_id, version)
-                version = 0
+                # No copy of the serving weights (an NCCL push is not staged)
+                # and a model that may hold part of the push: the engine is
+                # restarted, and comes back on the model directory's weights
+                # tagged version 0 until the next push.
+                raise EngineError(f"no staged copy of version {version} to restore")
             paths = [await fallback.as_file()] if fallback is not None else \
                 [str(p) for p in sorted(Path(self.model).glob("*.safetensors"))]
             for path in paths:
@@ -654,7 +653,8 @@ class VllmEngine:
         except Exception as exc:
             # The engine cannot be trusted with a half-loaded model: take it
             # down, the fleet restarts it at the serving version.
-            log.error("%s could not restore its weights after a failed push (%s); restarting it", self.engine_id, exc)
+            log.error("%s could not restore its weights after a failed push (%s); restarting it (on the model "
+                      "directory's weights, version 0, unless the service holds a staged copy)", self.engine_id, exc)
             self._shutdown_llm()
             self._state = EngineState.DEAD
         finally:
