@@ -255,7 +255,7 @@ async def test_a_failed_push_with_no_copy_to_restore_serves_the_model_weights_ta
             await push
         stall.release.set()
         await wait_until(lambda: all(e.load().state == "ready" and e.restarts == restarts[e.engine_id] + 1
-                                     for e in core.engines.values()), 300, "the engines to restart")
+                                     for e in core.engines.values()), 600, "the engines to restart")
         status = await client.status()
         assert status.policy_version == version  # the service's version stays...
         assert [e.policy_version for e in status.engines] == [0, 0]  # ...the engines say what they serve
