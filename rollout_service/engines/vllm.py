@@ -207,7 +207,8 @@ class VllmEngine:
         self.paused_s = 0.0  # how long generation was paused to apply the last weight push
         self.last_reload: dict | None = None  # the last in-place reload's report (`_note_reload`)
         self._paused_at = 0.0
-        self.restarts = 0
+        self.restarts = 0  # starts after the first (`start`)
+        self._started = False
         self.update_timeout_s = 120.0  # bound on each step of a weight update
 
     # -- lifecycle ---------------------------------------------------------------
@@ -223,7 +224,11 @@ class VllmEngine:
 
         if self._llm is not None:
             self._shutdown_llm()
+        # Every start after the first counts, whether the engine died or was
+        # shut down (a failed push it could not undo; a roll-back).
+        if self._started:
             self.restarts += 1
+        self._started = True
         self._state = EngineState.STARTING
         self._version = 0  # a fresh engine serves the model directory's weights
         self._prefix_queried = self._prefix_hits = 0  # a fresh engine core starts with an empty cache
