@@ -1,4 +1,4 @@
-"""`rollout-service serve | plan | status | demo | build-model | build-eagle`."""
+"""`rollout-service serve | plan | selftest | status | demo | build-model | build-eagle`."""
 from __future__ import annotations
 
 import argparse
@@ -77,6 +77,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 2
     print(json.dumps(plan.to_dict(), indent=2, default=str) if args.json else plan.describe())
     return 0
+
+
+def cmd_selftest(args: argparse.Namespace) -> int:
+    from rollout_service.selftest import run_selftest
+
+    return run_selftest(args.platform, args.json, args.timeout)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -199,6 +205,17 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--gpu-memory-gib", type=float, help="memory of each GPU (GiB), for the KV-cache budget")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.set_defaults(fn=cmd_plan)
+    selftest = sub.add_parser("selftest", help="start 2 engines of the bundled model here and check devices, "
+                                               "generation, weight pushes and speculation; print a report",
+                              description="Checks the GPU path end to end (docs/gpu.md): 2 engines on their own "
+                                          "GPUs (CPU: cores), generation with logprobs checked, weight pushes over "
+                                          "gRPC and NCCL (gloo on a CPU), speculation and a draft push. Exits 1 if "
+                                          "a check fails.")
+    selftest.add_argument("--platform", choices=["auto", "cuda", "cpu"], default="auto",
+                          help="the platform expected (default: this machine's, as vLLM sees it)")
+    selftest.add_argument("--json", action="store_true", help="print the report as JSON")
+    selftest.add_argument("--timeout", type=float, default=600.0, help="bound on each check (seconds)")
+    selftest.set_defaults(fn=cmd_selftest)
     status = sub.add_parser("status", help="print a running service's status")
     status.add_argument("--address", default="localhost:50051")
     status.add_argument("--timeout", type=float, default=5.0)

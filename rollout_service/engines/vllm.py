@@ -290,6 +290,13 @@ class VllmEngine:
         except (AttributeError, IndexError):
             return None
 
+    async def device_report(self) -> list[dict]:
+        """Where each of this engine's workers computes
+        (`RolloutWorkerExtension.rollout_device`): pid, GPU or cores."""
+        if not self._alive():
+            raise EngineError(f"engine {self.engine_id} is not running")
+        return list(await asyncio.wait_for(self._llm.collective_rpc("rollout_device"), self.update_timeout_s))
+
     def _shutdown_llm(self) -> None:
         llm, self._llm = self._llm, None
         if llm is not None:

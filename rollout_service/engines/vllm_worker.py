@@ -160,3 +160,20 @@ class RolloutWorkerExtension:
 
         patched, reason = sampler_status()
         return os.getpid(), patched, reason
+
+    def rollout_device(self) -> dict:
+        """Where this worker computes: its pid, `CUDA_VISIBLE_DEVICES`, the
+        model's device, that GPU's UUID ("" on a CPU) and the cores its
+        threads may run on."""
+        import torch
+
+        device = next(self.model_runner.get_model().parameters()).device
+        uuid = str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else ""
+        cores = set()
+        for task in os.listdir("/proc/self/task"):  # the OpenMP threads are bound, not the process
+            try:
+                cores |= os.sched_getaffinity(int(task))
+            except OSError:  # a thread that has exited
+                pass
+        return {"pid": os.getpid(), "visible": os.environ.get("CUDA_VISIBLE_DEVICES", ""), "device": str(device),
+                "uuid": uuid, "cores": sorted(cores)}
