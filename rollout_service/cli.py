@@ -1,4 +1,4 @@
-"""`rollout-service serve | status | demo | build-model`."""
+"""`rollout-service serve | plan | selftest | status | demo | build-model | build-eagle`."""
 from __future__ import annotations
 
 import argparse
@@ -56,6 +56,37 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print("rollout-service configuration:\n" + cfg.describe(), flush=True)
     asyncio.run(RolloutService(cfg).serve_forever())
     return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Print what `serve` would start on the machine described (default:
+    this one); a refusal exits 2 with the reason."""
+    from rollout_service.device_plan import Platform, PlanError
+    from rollout_service.factory import fleet_plan, model_info
+
+    cfg = _config(args)
+    if args.platform:
+        platform = Platform.mocked(args.platform, args.gpus or 0, args.gpu_memory_gib or 0.0)
+    elif args.gpus is not None or args.gpu_memory_gib is not None:
+        raise ValueError("--gpus and --gpu-memory-gib describe a machine: give --platform too")
+    else:
+        platform = None
+    try:
+        plan = fleet_plan(cfg.engine, model_info(cfg.engine), platform)
+    except PlanError as exc:
+        name = args.platform or "this machine"
+        if args.json:
+            print(json.dumps({"platform": name, "engines": [], "refused": str(exc)}, indent=2))
+        print(f"rollout-service plan: refused: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan.to_dict(), indent=2, default=str) if args.json else plan.describe())
+    return 0
+
+
+def cmd_selftest(args: argparse.Namespace) -> int:
+    from rollout_service.selftest import run_selftest
+
+    return run_selftest(args.platform, args.json, args.timeout)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -167,6 +198,28 @@ def main(argv: list[str] | None = None) -> int:
     serve = sub.add_parser("serve", help="run the service in the foreground")
     _add_service_flags(serve)
     serve.set_defaults(fn=cmd_serve)
+    plan = sub.add_parser("plan", help="print the engines, devices, vLLM arguments and memory `serve` would start, "
+                                       "without starting anything",
+                          description="The device plan of `serve` with the same flags, on this machine or on one "
+                                      "described by --platform/--gpus/--gpu-memory-gib; a plan that does not fit is "
+                                      "refused (exit 2) naming the keys.")
+    _add_service_flags(plan)
+    plan.add_argument("--platform", choices=["cuda", "cpu"], help="plan for this platform instead of this machine's")
+    plan.add_argument("--gpus", type=int, help="GPUs of the machine planned for (with --platform cuda)")
+    plan.add_argument("--gpu-memory-gib", type=float, help="memory of each GPU (GiB), for the KV-cache budget")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.set_defaults(fn=cmd_plan)
+    selftest = sub.add_parser("selftest", help="start 2 engines of the bundled model here and check devices, "
+                                               "generation, weight pushes and speculation; print a report",
+                              description="Checks the GPU path end to end (docs/gpu.md): 2 engines on their own "
+                                          "GPUs (CPU: cores), generation with logprobs checked, weight pushes over "
+                                          "gRPC and NCCL (gloo on a CPU), speculation and a draft push. Exits 1 if "
+                                          "a check fails.")
+    selftest.add_argument("--platform", choices=["auto", "cuda", "cpu"], default="auto",
+                          help="the platform expected (default: this machine's, as vLLM sees it)")
+    selftest.add_argument("--json", action="store_true", help="print the report as JSON")
+    selftest.add_argument("--timeout", type=float, default=600.0, help="bound on each check (seconds)")
+    selftest.set_defaults(fn=cmd_selftest)
     status = sub.add_parser("status", help="print a running service's status")
     status.add_argument("--address", default="localhost:50051")
     status.add_argument("--timeout", type=float, default=5.0)

@@ -37,8 +37,8 @@ class RayConfig:
     address: str = "auto"  # "auto": the cluster this node belongs to; "local": start Ray here; or "host:port"
     strategy: str = "SPREAD"  # placement-group strategy: SPREAD, PACK, STRICT_SPREAD, STRICT_PACK
     cpus_per_engine: float = 1.0  # CPU of each engine's bundle
-    gpus_per_engine: float = 0.0  # GPU of each engine's bundle (its tensor-parallel size on a GPU cluster)
-    engines_per_actor: int = 1  # engines hosted by one actor process (>1 only for large simulated fleets)
+    gpus_per_engine: float = 0.0  # whole GPUs of each engine's bundle: its tensor-parallel size
+    engines_per_actor: int = 1  # engines hosted by one actor process (>1 only for CPU or simulated fleets)
     object_store_gb: float = 0.0  # object store of a Ray started here ("local"); 0 = Ray's default
     heartbeat_s: float = 0.25  # an idle actor reports its engines' load this often
 
@@ -48,9 +48,14 @@ class EngineConfig:
     kind: str = "vllm"  # "vllm" (real engines, CPU or GPU) or "sim" (cost-model engines)
     num_engines: int = 2
     model: str = ""  # a model directory; "" means the bundled tiny reasoner
-    max_seqs: int = 64  # running batch cap per engine (sequences)
+    max_seqs: int = 0  # running batch cap per engine (sequences); 0: 64 on a CPU or simulated, 256 on GPUs
     max_model_len: int = 0  # tokens; 0 means the model's own limit
-    kv_cache_gib: float = 1.0  # CPU KV cache per vLLM engine (GiB)
+    kv_cache_gib: float = 1.0  # KV cache per vLLM engine on the CPU platform (GiB); GPUs size it by utilization
+    # GPUs (rollout_service/device_plan.py): each local engine gets its own
+    # tensor_parallel_size of `devices` ("auto": the visible GPUs in order).
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.9  # share of each of its GPUs' memory an engine takes
+    devices: Any = "auto"  # "auto", or GPU ids as a list ([0, 1, 2, 3]) or a string ("0,1,2,3")
     sim: dict[str, Any] = field(default_factory=dict)
     vllm_args: dict[str, Any] = field(default_factory=dict)
     # Speculative decoding (method off | draft_model | eagle | ngram | siblings;
@@ -110,6 +115,7 @@ class ServiceConfig:
     weights_file_dirs: list[str] = field(default_factory=list)
     http_request_timeout_s: float = 1800.0  # an OpenAI/vLLM HTTP request running longer is aborted
     state_dir: str = ""  # where a graceful shutdown saves unfinished work ("" = nowhere)
+    staging_dir: str = ""  # where pushed weights are staged ("" = /dev/shm, else the temporary directory)
     log_level: str = "INFO"
     engine: EngineConfig = field(default_factory=EngineConfig)
     carry_over: CarryOverConfig = field(default_factory=CarryOverConfig)

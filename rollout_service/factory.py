@@ -4,11 +4,11 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 from rollout_service.config import COLLECTIVE_RECEIVE, EngineConfig
+from rollout_service.device_plan import FleetPlan, Platform, max_seqs_for, plan_fleet
 from rollout_service.engines.base import Engine
 from rollout_service.engines.sim import SimEngine, SimParams
 
@@ -75,7 +75,7 @@ def sim_params(cfg: EngineConfig, info: ModelInfo, index: int) -> SimParams:
     unknown = set(cfg.sim) - known
     if unknown:
         raise ValueError(f"engine.sim: unknown parameters {sorted(unknown)}; known: {sorted(known)}")
-    values = {"max_seqs": cfg.max_seqs, "vocab_size": info.vocab_size, "eos_token_id": info.eos_token_id}
+    values = {"max_seqs": max_seqs_for(cfg, "cpu"), "vocab_size": info.vocab_size, "eos_token_id": info.eos_token_id}
     spec = cfg.spec
     if spec.enabled:  # the same [engine.spec] drives simulated speculation
         values.update(spec_method=spec.method, spec_max_k=spec.num_speculative_tokens, spec_schedule=spec.schedule)
@@ -84,17 +84,26 @@ def sim_params(cfg: EngineConfig, info: ModelInfo, index: int) -> SimParams:
     return SimParams(**values)
 
 
-def make_engines(cfg: EngineConfig, info: ModelInfo) -> list[Engine]:
-    """The fleet: engines in this process, or (`placement_backend = "ray"`)
-    the same engines in Ray actors behind `RayEngine` proxies."""
-    if cfg.num_engines < 1:
-        raise ValueError(f"engine.num_engines must be >= 1, got {cfg.num_engines}")
+def fleet_plan(cfg: EngineConfig, info: ModelInfo, platform: Platform | None = None) -> FleetPlan:
+    """The device plan of the fleet (`device_plan`) on `platform` (default:
+    this machine, or for a Ray fleet its GPU bundles); PlanError if it does
+    not fit."""
     if cfg.placement_backend not in ("local", "ray"):
         raise ValueError(f"engine.placement_backend must be 'local' or 'ray', got {cfg.placement_backend!r}")
+    if platform is None:
+        platform = Platform("cpu") if cfg.kind == "sim" or (
+            cfg.placement_backend == "ray" and cfg.ray.gpus_per_engine) else Platform.detect()
+    return plan_fleet(cfg, platform, info.path, info.max_model_len)
+
+
+def make_engines(cfg: EngineConfig, info: ModelInfo, plan: FleetPlan | None = None) -> list[Engine]:
+    """The fleet: engines in this process, or (`placement_backend = "ray"`)
+    the same engines in Ray actors behind `RayEngine` proxies."""
     if cfg.collective_receive not in COLLECTIVE_RECEIVE:
         raise ValueError(f"engine.collective_receive must be one of {', '.join(COLLECTIVE_RECEIVE)}, "
                          f"got {cfg.collective_receive!r}")
-    factories = engine_factories(cfg, info)
+    plan = plan or fleet_plan(cfg, info)
+    factories = engine_factories(cfg, info, plan)
     if cfg.placement_backend == "ray":
         from rollout_service.engines.ray_fleet import make_ray_engines
 
@@ -105,48 +114,35 @@ def make_engines(cfg: EngineConfig, info: ModelInfo) -> list[Engine]:
     return [make() for _, make in factories]
 
 
-def engine_factories(cfg: EngineConfig, info: ModelInfo) -> list[tuple[str, "functools.partial[Engine]"]]:
-    """(engine id, zero-argument constructor) per engine; picklable, so a
-    Ray actor can build the same engine on another node."""
+def engine_factories(cfg: EngineConfig, info: ModelInfo,
+                     plan: FleetPlan | None = None) -> list[tuple[str, "functools.partial[Engine]"]]:
+    """(engine id, zero-argument constructor) per engine, as `plan` places
+    them; picklable, so a Ray actor can build the same engine on another node."""
     if cfg.kind == "sim":
         return [(f"sim-{i}", functools.partial(SimEngine, f"sim-{i}", sim_params(cfg, info, i)))
                 for i in range(cfg.num_engines)]
     if cfg.kind == "vllm":
         from rollout_service.engines.vllm import VllmEngine
 
-        # On a CPU platform each engine gets its own cores; with Ray this
-        # assumes every node has this node's cores (true of one machine).
-        binds = _cpu_binds(cfg.num_engines)
+        plan = plan or fleet_plan(cfg, info)
         return [
-            (f"vllm-{i}", functools.partial(
+            (e.id, functools.partial(
                 VllmEngine,
-                f"vllm-{i}",
+                e.id,
                 info.path,
-                max_seqs=cfg.max_seqs,
+                max_seqs=int(e.vllm_args["max_num_seqs"]),
                 max_model_len=info.max_model_len,
                 kv_cache_gib=cfg.kv_cache_gib,
-                cpu_bind=binds[i] if binds else None,
+                cpu_bind=e.cpu_bind,
                 seed=i,
                 vllm_args=cfg.vllm_args,
                 spec=cfg.spec,
                 collective_receive=cfg.collective_receive,
+                platform=plan.platform,
+                devices=tuple(e.devices),
+                tensor_parallel_size=int(e.vllm_args.get("tensor_parallel_size", 1)),
+                gpu_memory_utilization=cfg.gpu_memory_utilization,
             ))
-            for i in range(cfg.num_engines)
+            for i, e in enumerate(plan.engines)
         ]
     raise ValueError(f"engine.kind must be 'sim' or 'vllm', got {cfg.kind!r}")
-
-
-def _cpu_binds(n: int) -> list[str] | None:
-    """On a CPU platform, give each engine its own cores (OpenMP binding);
-    None on GPUs."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return None
-    cores = sorted(os.sched_getaffinity(0))
-    per = max(1, len(cores) // n)
-    binds = []
-    for i in range(n):
-        chunk = cores[(i * per) % len(cores):][:per] or cores[:per]
-        binds.append(",".join(map(str, chunk)))
-    return binds

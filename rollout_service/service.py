@@ -22,12 +22,12 @@ from rollout_service.api.openai_http import OpenAIFrontEnd
 from rollout_service.api.servicer import RolloutServicer, add_servicer
 from rollout_service.api.validation import ModelLimits
 from rollout_service.config import ServiceConfig, check_exposure
-from rollout_service.engines.weights import drop_spare
+from rollout_service.engines.weights import drop_spare, set_staging_dir
 from rollout_service.core.clock import Clock
 from rollout_service.core.rollout import CoreLimits, RolloutCore
 from rollout_service.drafter.runtime import SpecRuntime
 from rollout_service.environments import Environments
-from rollout_service.factory import ModelInfo, load_tokenizer, make_engines, model_info
+from rollout_service.factory import ModelInfo, fleet_plan, load_tokenizer, make_engines, model_info
 from rollout_service.scheduling import make_placement
 
 log = logging.getLogger("rollout_service")
@@ -82,7 +82,10 @@ class RolloutService:
         asks for it."""
         cfg = self.config
         self.environments = Environments.build(cfg.environments)
-        engines = make_engines(cfg.engine, info)
+        set_staging_dir(cfg.staging_dir)
+        plan = fleet_plan(cfg.engine, info)  # refused (PlanError) before any engine starts
+        log.info("device plan: %s", plan.describe())
+        engines = make_engines(cfg.engine, info, plan)
         self.core = RolloutCore(
             engines,
             make_placement(cfg.placement),

@@ -231,3 +231,47 @@ async def test_engine_restarted_after_a_collective_push_comes_back_at_its_versio
     # The group lost a member: the next push forms it again by itself.
     reply = await _push(client, bundled_weights(), version + 1)
     assert reply.applied_version == version + 1
+
+
+async def test_a_failed_push_with_no_copy_to_restore_serves_the_model_weights_tagged_version_0(vllm_service, client):
+    """As on GPUs: no stager rank keeps a copy of a collective push, and an
+    engine that loads it as it arrives (`direct`, as NCCL engines do)
+    cannot go back to the serving version when a later push fails half-way:
+    it restarts on the model directory's weights and tags what it samples
+    version 0, never the serving version's tag on other weights. Only
+    vllm-1 loads directly (one restart); vllm-0 receives staged, drops what
+    it received and keeps serving."""
+    core = vllm_service.core
+    core.collective.stage = False
+    victim = core.engines["vllm-1"]
+    victim.collective_receive = "direct"
+    try:
+        version = (await client.status()).policy_version + 1
+        w = perturbed(bundled_weights())
+        await _push(client, w, version)
+        restarts = {e.engine_id: e.restarts for e in core.engines.values()}
+        stall = _Stalling(perturbed(w, seed=1), after=len(w) // 2)
+        push = asyncio.ensure_future(_push(client, stall, version + 1))
+        await wait_until(stall.stalled.is_set, 60, "the trainer to stall half-way through its weights")
+        with pytest.raises(Exception):
+            await push
+        stall.release.set()
+        await wait_until(lambda: victim.restarts == restarts["vllm-1"] + 1 and victim.load().state == "ready"
+                         and not core.is_restarting("vllm-1"), 240, "vllm-1 to restart")
+        status = await client.status()
+        assert status.policy_version == version  # the service's version stays...
+        # ...and each engine says what it serves.
+        assert {e.engine_id: e.policy_version for e in status.engines} == {"vllm-0": version, "vllm-1": 0}
+        assert core.engines["vllm-0"].restarts == restarts["vllm-0"]
+        prefix = unique("tag")
+        await client.submit([PromptGroup(prompt_token_ids=PROMPTS[i % 4], num_samples=2, max_tokens=32,
+                                         temperature=1.0, group_id=f"{prefix}-{i}") for i in range(8)])
+        samples = await collect(client, prefix, 16, timeout=180)
+        on = {eid: [s for s in samples if s.engines == [eid]] for eid in ("vllm-0", "vllm-1")}
+        assert on["vllm-1"] and all(s.min_version == s.max_version == 0 for s in on["vllm-1"])
+        assert all(s.min_version == s.max_version == version for s in on["vllm-0"])
+        assert max_logprob_gap(on["vllm-1"], MODEL, bundled_weights()) < 1e-3  # the model directory's weights
+        assert max_logprob_gap(on["vllm-0"], MODEL, w) < 1e-3
+    finally:
+        core.collective.stage = True
+        victim.collective_receive = "staged"

@@ -20,7 +20,8 @@ import json
 import socket
 import sys
 from dataclasses import dataclass
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import grpc
 
@@ -210,3 +211,88 @@ class CollectiveGroup:
             self.control.cancel()
         if engine is not None:
             engine.shutdown()
+
+
+# -- trainers with several ranks (FSDP, DeepSpeed ZeRO-3) ------------------------
+
+
+def _full_tensor(t):
+    full = getattr(t, "full_tensor", None)  # an FSDP2 / DTensor shard: an all-gather every rank joins
+    return full() if callable(full) else t
+
+
+class _Lockstep(Mapping):
+    """Rank 0's view of a sharded state dict: before it gathers a tensor it
+    broadcasts which one, so that every other rank joins the same gather.
+    Shapes and dtypes (the manifest) are read without gathering."""
+
+    def __init__(self, state_dict: Mapping[str, Any], signal, gather) -> None:
+        import threading
+
+        self._sd, self._names = state_dict, list(state_dict)
+        self._signal, self._gather = signal, gather
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def items(self):
+        return self._sd.items()
+
+    def __getitem__(self, name: str):
+        with self._lock:
+            self._signal(self._names.index(name) + 1)
+            return self._gather(self._sd[name]).detach()
+
+
+async def push_weights_sharded(client, state_dict: Mapping[str, Any], version: int, *, group=None,
+                               gather=None, **push_kwargs) -> int:
+    """A collective push from a trainer with several ranks: EVERY rank calls
+    this with its own (sharded) state dict, keys in the same order; rank 0 of
+    `group` passes its `RolloutClient` (the others None) and sends. Each
+    tensor is gathered whole by all ranks together, one at a time, as rank 0
+    sends it (FSDP2's `full_tensor()` by default; `gather(tensor)` for
+    another scheme, e.g. DeepSpeed's GatheredParameters), so no rank holds
+    the whole model. Returns the version applied, on every rank; a push
+    that fails raises on every rank.
+
+    Every wait is bounded: the service's side by `timeout_s` (see
+    `RolloutClient.push_weights_collective`, whose keyword arguments
+    `push_kwargs` are), the ranks' lockstep by `group`'s own timeout
+    (`torch.distributed.init_process_group(timeout=...)`)."""
+    import torch
+    import torch.distributed as dist
+
+    gather = gather or _full_tensor
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+
+    def signal(value: int = 0) -> int:
+        t = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.broadcast(t, src=src, group=group)
+        return int(t.item())
+
+    if dist.get_rank(group) != 0:
+        names = list(state_dict)
+
+        def follow() -> int:
+            while (index := signal()) > 0:
+                gather(state_dict[names[index - 1]])  # join rank 0's gather
+            return signal()  # the version applied, or -1
+
+        applied = await asyncio.to_thread(follow)
+        if applied < 0:
+            raise RuntimeError(f"the push of version {version} failed on rank 0")
+        return applied
+    if client is None:
+        raise ValueError("client: rank 0 of the group sends and needs a RolloutClient")
+    applied = -1
+    try:
+        result = await client.push_weights_collective(_Lockstep(state_dict, signal, gather), version, **push_kwargs)
+        applied = int(result.applied_version)
+        return applied
+    finally:
+        await asyncio.to_thread(lambda: (signal(0), signal(applied)))

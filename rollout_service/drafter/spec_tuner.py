@@ -74,7 +74,11 @@ class DepthTuner:
     """Epsilon-greedy choice of K per batch-size bucket for one engine."""
 
     def __init__(self, cfg: TunerConfig, max_k: int, max_seqs: int,
-                 initial: Sequence[Sequence[int]] = ()) -> None:
+                 initial: Sequence[Sequence[int]] = (), graph_depths: Mapping[int, int] | None = None) -> None:
+        """`graph_depths` ({K: largest batch with a captured CUDA graph at
+        depth K}, `spec_config.graph_depths`): a bucket chooses only among
+        the depths captured for its whole range (a graph engine's step at
+        any other depth would run eagerly); None: any depth."""
         self.cfg = cfg
         self.max_seqs = max_seqs
         self.depths = sorted({min(int(k), max_k) for k in cfg.depths} if cfg.depths else set(range(max_k + 1)))
@@ -82,18 +86,24 @@ class DepthTuner:
         if not self.buckets or self.buckets[0][0] != 1:
             raise ValueError("engine.spec.tuner.buckets must start at batch size 1")
         self._rng = random.Random(cfg.seed)
-        self.arms = [{k: _Arm(deque(maxlen=cfg.window)) for k in self.depths} for _ in self.buckets]
-        self.choice = [self._initial_k(lo, initial) for lo, _ in self.buckets]
+        self.choice = [self._initial_k(lo, initial, self.depths) for lo, _ in self.buckets]
+        arms = [self.depths] * len(self.buckets)
+        if graph_depths is not None:
+            arms = [[k for k in self.depths if graph_depths.get(k, 0) >= hi] or [self.choice[b]]
+                    for b, (_, hi) in enumerate(self.buckets)]
+            self.choice = [self._initial_k(lo, initial, ks) for (lo, _), ks in zip(self.buckets, arms)]
+        self.arms = [{k: _Arm(deque(maxlen=cfg.window)) for k in ks} for ks in arms]
         self.seen = [0] * len(self.buckets)  # observations since the last decision
         self.decisions = 0
         self.explorations = 0
 
-    def _initial_k(self, batch: int, schedule: Sequence[Sequence[int]]) -> int:
+    @staticmethod
+    def _initial_k(batch: int, schedule: Sequence[Sequence[int]], depths: Sequence[int]) -> int:
         k = 0
         for lo, hi, depth in schedule:
             if lo <= batch:
                 k = depth
-        return min(self.depths, key=lambda d: abs(d - k))
+        return min(depths, key=lambda d: abs(d - k))
 
     def bucket_of(self, batch: int) -> int:
         for i, (lo, hi) in enumerate(self.buckets):
@@ -130,7 +140,7 @@ class DepthTuner:
             if untried:
                 self.choice[b] = untried[0]
             elif self._rng.random() < self.cfg.epsilon:
-                self.choice[b] = self._rng.choice(self.depths)
+                self.choice[b] = self._rng.choice(list(arms))
                 self.explorations += 1
             else:
                 self.choice[b] = max(arms, key=lambda k: arms[k].reward())
@@ -178,7 +188,8 @@ class TunerLoop:
             if engine.speculation is None:
                 continue
             monitor = engine.speculation.monitor
-            tuner = DepthTuner(cfg, monitor.cfg.num_speculative_tokens, monitor.max_seqs, monitor.schedule)
+            tuner = DepthTuner(cfg, monitor.cfg.num_speculative_tokens, monitor.max_seqs, monitor.schedule,
+                               monitor.graph_depths)
             self.tuners[engine.engine_id] = (engine, tuner)
         self._task: asyncio.Task | None = None
 

@@ -66,6 +66,29 @@ def dense_lookup(schedule: Sequence[Sequence[int]], max_seqs: int) -> list[int]:
     return lookup
 
 
+#: vLLM's ceiling on CUDA-graph capture sizes, in tokens (`VllmConfig.
+#: _set_cudagraph_sizes`; 1024 on data-centre Blackwell).
+GRAPH_TOKEN_CEILING = 512
+
+
+def graph_depths(schedule: Sequence[Sequence[int]], max_seqs: int, max_k: int,
+                 ceiling: int = GRAPH_TOKEN_CEILING) -> dict[int, int]:
+    """{K: the largest running batch whose decode step at depth K has a
+    captured CUDA graph}, for an engine started with `schedule`.
+
+    vLLM 0.32 captures uniform-decode graphs per depth of the start-up
+    schedule, for batches up to the widest one running at that depth, within
+    `min(max_seqs * (max_k + 1) * 2, ceiling)` tokens; a depth the start-up
+    schedule never uses, or a batch beyond its bound, runs eagerly. The
+    depth tuner chooses only among these (`DepthTuner(graph_depths=...)`)."""
+    lookup = dense_lookup(normalize_schedule(schedule, max_seqs, max_k), max_seqs)
+    widest: dict[int, int] = {}
+    for batch in range(1, max_seqs + 1):
+        widest[lookup[batch]] = batch
+    cap = min(max_seqs * (max_k + 1) * 2, ceiling)
+    return {k: min(b, cap // (k + 1)) for k, b in sorted(widest.items()) if cap // (k + 1) >= 1}
+
+
 @dataclass(slots=True)
 class SpecConfig:
     """`[engine.spec]`: how the engines speculate (tokens, batch sizes).
@@ -136,10 +159,13 @@ class SpecConfig:
 
         return str(tiny_draft_path())
 
-    def vllm_speculative_config(self, max_seqs: int) -> dict[str, Any] | None:
+    def vllm_speculative_config(self, max_seqs: int, platform: str = "cpu") -> dict[str, Any] | None:
         """vLLM's `speculative_config` for an engine of `max_seqs` sequences
         (None when off). Always with a batch-size schedule, so that the depth
-        can be changed at run time (`vllm_plugin.rollout_set_spec_schedule`)."""
+        can be changed at run time (`vllm_plugin.rollout_set_spec_schedule`).
+        On a GPU `ngram` is vLLM's `ngram_gpu`, which keeps vLLM's async
+        scheduling (its CPU `ngram` turns it off at every batch size, as does
+        `siblings`, a custom proposer)."""
         if not self.enabled:
             return None
         k = self.num_speculative_tokens
@@ -154,6 +180,8 @@ class SpecConfig:
         elif self.method == "siblings":
             out.update(method="custom_class", model=SIBLING_PROPOSER)
         else:
+            if platform != "cpu":
+                out["method"] = "ngram_gpu"
             out["prompt_lookup_min"] = self.prompt_lookup_min
             out["prompt_lookup_max"] = self.prompt_lookup_max
         return out

@@ -61,6 +61,9 @@ class SpecMonitor:
         self.drafted_per_pos = [0] * max(1, cfg.num_speculative_tokens)
         self.observations: deque[StepObservation] = deque(maxlen=8192)
         self.tuner_state: TunerState | None = None
+        # {K: largest batch with a captured CUDA graph at depth K}
+        # (spec_config.graph_depths); None: the engine runs eagerly, any K.
+        self.graph_depths: dict[int, int] | None = None
 
     def set_schedule(self, schedule: Sequence[Sequence[int]]) -> None:
         self.schedule = normalize_schedule(schedule, self.max_seqs, self.cfg.num_speculative_tokens)

@@ -36,7 +36,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import AsyncIterator, Mapping
+from typing import AsyncIterator, Mapping, Sequence
 
 from rollout_service.engines.types import (
     EngineDescription,
@@ -50,7 +50,9 @@ from rollout_service.engines.types import (
 from rollout_service.engines.weights import StagedWeights, checkpoint_manifest
 from rollout_service.engines.base import EngineError, WeightsRejected
 from rollout_service.engines.collective import TransferInit
-from rollout_service.engines.spec_config import SpecConfig
+from rollout_service.engines.spec_config import SpecConfig, graph_depths
+from rollout_service.engines.vllm_args import engine_args, spawn_environment, uses_cuda_graphs
+from rollout_service.engines.vllm_internals import check_internals, check_live
 from rollout_service.engines.spec_monitor import SpecMonitor
 from rollout_service.engines.vllm_speculation import VllmSpeculation, spec_counts
 
@@ -64,22 +66,11 @@ STAGED_POLL_S = 0.02  # how often a staged receive's progress is read
 _SPAWN_LOCK = threading.Lock()  # engines spawn one at a time (they share os.environ)
 
 
-def default_dtype() -> str:
-    """float32 on vLLM's CPU platform (bf16 kills some CPU engines with
-    SIGILL, and is no faster for small models there); vLLM's "auto" (the
-    checkpoint's dtype) elsewhere. `vllm_args["dtype"]` overrides it."""
+def this_platform() -> str:
+    """"cpu" on vLLM's CPU platform, else "cuda" (`vllm_args.PLATFORMS`)."""
     from vllm.platforms import current_platform
 
-    return "float32" if current_platform.is_cpu() else "auto"
-
-
-def default_transfer_backend() -> str:
-    """The collective weight-transfer backend of this platform: vLLM's
-    `nccl` on GPUs, this project's `gloo` (engines/vllm_transfer.py) on a CPU.
-    `vllm_args["weight_transfer_config"]` overrides it."""
-    from vllm.platforms import current_platform
-
-    return "gloo" if current_platform.is_cpu() else "nccl"
+    return "cpu" if current_platform.is_cpu() else "cuda"
 
 
 def _with_environment(env: Mapping[str, str], build):
@@ -161,6 +152,10 @@ class VllmEngine:
         env: Mapping[str, str] | None = None,
         require_exact_sampler: bool = True,
         collective_receive: str = "staged",
+        platform: str = "",
+        devices: Sequence[str] = (),
+        tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float = 0.9,
     ) -> None:
         self.engine_id = engine_id
         self.model = model
@@ -170,6 +165,12 @@ class VllmEngine:
         self.cpu_bind = cpu_bind
         self.seed = seed
         self.vllm_args = dict(vllm_args or {})
+        # Where it runs (the device plan's): "cpu" or "cuda" ("": this
+        # machine's, read at start), its GPUs, its tensor-parallel size.
+        self.platform = platform
+        self.devices = tuple(str(d) for d in devices)
+        self.tensor_parallel_size = tensor_parallel_size
+        self.gpu_memory_utilization = gpu_memory_utilization
         # Speculative decoding (off by default) and extra environment for the
         # engine's processes (e.g. ROLLOUT_STOCK_SPEC_SAMPLER=1).
         self.spec = spec if isinstance(spec, SpecConfig) else SpecConfig.from_dict(spec)
@@ -179,6 +180,10 @@ class VllmEngine:
         self.require_exact_sampler = require_exact_sampler
         self.speculation: VllmSpeculation | None = (
             VllmSpeculation(self, SpecMonitor(self.spec, max_seqs)) if self.spec.enabled else None)
+        if self.speculation is not None and platform and uses_cuda_graphs(self._engine_args()):
+            # The depth tuner keeps to the depths whose CUDA graphs vLLM captured.
+            self.speculation.monitor.graph_depths = graph_depths(self.spec.schedule, max_seqs,
+                                                                 self.spec.num_speculative_tokens)
         self._llm = None
         self._state = EngineState.STARTING
         self._kv_capacity = 0  # tokens, known once the engine core is up
@@ -202,7 +207,8 @@ class VllmEngine:
         self.paused_s = 0.0  # how long generation was paused to apply the last weight push
         self.last_reload: dict | None = None  # the last in-place reload's report (`_note_reload`)
         self._paused_at = 0.0
-        self.restarts = 0
+        self.restarts = 0  # starts after the first (`start`)
+        self._started = False
         self.update_timeout_s = 120.0  # bound on each step of a weight update
 
     # -- lifecycle ---------------------------------------------------------------
@@ -211,13 +217,18 @@ class VllmEngine:
         """Start (or restart, after a death) the engine; returns when ready.
 
         Raises EngineError, with the engine shut down again, when the engine
-        would speculate inexactly (`VllmSpeculation.check_exact_sampler`)."""
+        would speculate inexactly (`VllmSpeculation.check_exact_sampler`) or
+        the installed vLLM lacks an internal relied on (`vllm_internals`)."""
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
         if self._llm is not None:
             self._shutdown_llm()
+        # Every start after the first counts, whether the engine died or was
+        # shut down (a failed push it could not undo; a roll-back).
+        if self._started:
             self.restarts += 1
+        self._started = True
         self._state = EngineState.STARTING
         self._version = 0  # a fresh engine serves the model directory's weights
         self._prefix_queried = self._prefix_hits = 0  # a fresh engine core starts with an empty cache
@@ -235,6 +246,10 @@ class VllmEngine:
         self._dtype = str(args["dtype"])
         self._kv_capacity = self._read_kv_capacity()
         try:
+            # Every vLLM internal relied on, or this engine stops here, named.
+            check_internals(self.spec.enabled, self.spec.has_model,
+                            getattr(self._llm.vllm_config, "use_v2_model_runner", None))
+            check_live(self._llm)
             if self.speculation is not None:
                 await self.speculation.check_exact_sampler()
             await self._llm.update_weight_version(str(self._version))
@@ -249,33 +264,18 @@ class VllmEngine:
                  self._kv_capacity)
 
     def _engine_args(self) -> dict[str, object]:
-        """vLLM's engine arguments: this service's defaults, then speculation,
-        then `vllm_args` (which override both)."""
-        args: dict[str, object] = dict(
-            model=self.model,
-            dtype=default_dtype(),
-            enforce_eager=True,
-            max_model_len=self.max_model_len,
-            max_num_seqs=self.max_seqs,
-            seed=self.seed,
-            worker_extension_cls="rollout_service.engines.vllm_worker.RolloutWorkerExtension",
-            logprobs_mode="processed_logprobs",
-            disable_log_stats=False,
-            weight_transfer_config={"backend": default_transfer_backend()},
-        )
-        if self.spec.enabled:
-            args["speculative_config"] = self.spec.vllm_speculative_config(self.max_seqs)
-            args["per_request_spec_decode_metrics"] = "summary"
-        args.update(self.vllm_args)
-        return args
+        """vLLM's engine arguments (`vllm_args.engine_args`): this service's
+        defaults for the platform, then speculation, then `vllm_args`."""
+        return engine_args(self.platform or this_platform(), self.model, max_seqs=self.max_seqs,
+                           max_model_len=self.max_model_len, seed=self.seed,
+                           tensor_parallel_size=self.tensor_parallel_size,
+                           gpu_memory_utilization=self.gpu_memory_utilization, spec=self.spec,
+                           vllm_args=self.vllm_args)
 
     def _spawn_environment(self) -> dict[str, str]:
         """What this engine's processes read from the environment at spawn."""
-        env = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, round(self.kv_cache_gib)))}
-        if self.cpu_bind is not None:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_bind
-        env.update(self.env)
-        return env
+        return spawn_environment(self.platform or this_platform(), devices=self.devices,
+                                 kv_cache_gib=self.kv_cache_gib, cpu_bind=self.cpu_bind, extra=self.env)
 
     def _read_kv_capacity(self) -> int:
         """Tokens the engine core's KV cache holds: its block count (sent back
@@ -289,6 +289,13 @@ class VllmEngine:
             return self._llm.engine_core.resources.engine_manager.processes[0].pid
         except (AttributeError, IndexError):
             return None
+
+    async def device_report(self) -> list[dict]:
+        """Where each of this engine's workers computes
+        (`RolloutWorkerExtension.rollout_device`): pid, GPU or cores."""
+        if not self._alive():
+            raise EngineError(f"engine {self.engine_id} is not running")
+        return list(await asyncio.wait_for(self._llm.collective_rpc("rollout_device"), self.update_timeout_s))
 
     def _shutdown_llm(self) -> None:
         llm, self._llm = self._llm, None
@@ -530,10 +537,11 @@ class VllmEngine:
         return int(cfg.world_size) * int(cfg.data_parallel_size) if cfg is not None else 1
 
     def transfer_backend(self) -> str:
+        default = "gloo" if (self.platform or this_platform()) == "cpu" else "nccl"
         cfg = self.vllm_args.get("weight_transfer_config")
         if isinstance(cfg, Mapping):
-            return str(cfg.get("backend", default_transfer_backend()))
-        return str(getattr(cfg, "backend", None) or default_transfer_backend())
+            return str(cfg.get("backend", default))
+        return str(getattr(cfg, "backend", None) or default)
 
     async def init_weight_transfer(self, init: TransferInit) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
@@ -641,6 +649,12 @@ class VllmEngine:
                 self._update_open = False
                 await asyncio.wait_for(self._llm.finish_weight_update(), timeout)
             await self.close_weight_transfer()
+            if fallback is None and version != 0:
+                # No copy of the serving weights (an NCCL push is not staged)
+                # and a model that may hold part of the push: the engine is
+                # restarted, and comes back on the model directory's weights
+                # tagged version 0 until the next push.
+                raise EngineError(f"no staged copy of version {version} to restore")
             paths = [await fallback.as_file()] if fallback is not None else \
                 [str(p) for p in sorted(Path(self.model).glob("*.safetensors"))]
             for path in paths:
@@ -651,7 +665,8 @@ class VllmEngine:
         except Exception as exc:
             # The engine cannot be trusted with a half-loaded model: take it
             # down, the fleet restarts it at the serving version.
-            log.error("%s could not restore its weights after a failed push (%s); restarting it", self.engine_id, exc)
+            log.error("%s could not restore its weights after a failed push (%s); restarting it (on the model "
+                      "directory's weights, version 0, unless the service holds a staged copy)", self.engine_id, exc)
             self._shutdown_llm()
             self._state = EngineState.DEAD
         finally:

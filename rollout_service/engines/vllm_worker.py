@@ -63,6 +63,21 @@ def _repack(modules) -> None:
             method.process_weights_after_loading(module)
 
 
+def draft_model_of(model_runner):
+    """The draft model of a model runner, V1 or V2 (vLLM 0.32's default on
+    CUDA, which has no `drafter` attribute): `get_draft_model()`, which also
+    unwraps a CUDA-graph wrapper. Raises RuntimeError naming the runner
+    when there is none."""
+    get = getattr(model_runner, "get_draft_model", None)
+    if not callable(get):
+        raise RuntimeError(f"{type(model_runner).__qualname__} has no get_draft_model() in this vLLM: "
+                           "draft weights cannot be pushed")
+    model = get()
+    if model is None:
+        raise RuntimeError("this engine has no draft model")
+    return model
+
+
 class RolloutWorkerExtension:
     def rollout_reload_weights(self, path: str) -> dict:
         """Reload the target model's weights in place from a safetensors file
@@ -98,10 +113,7 @@ class RolloutWorkerExtension:
         with `method="draft_model"` or `"eagle"` have a draft model to reload."""
         from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
-        drafter = getattr(self.model_runner, "drafter", None)
-        model = getattr(drafter, "model", None)
-        if model is None:
-            raise RuntimeError("this engine has no draft model")
+        model = draft_model_of(self.model_runner)
         tied = _tied_modules(model)  # the drafter's lm_head shares its embedding too
         items = list(_iter_safetensors(path))
         reload_weights(self.vllm_config, model, weights_iterator=iter(items), weights_path=None,
@@ -148,3 +160,20 @@ class RolloutWorkerExtension:
 
         patched, reason = sampler_status()
         return os.getpid(), patched, reason
+
+    def rollout_device(self) -> dict:
+        """Where this worker computes: its pid, `CUDA_VISIBLE_DEVICES`, the
+        model's device, that GPU's UUID ("" on a CPU) and the cores its
+        threads may run on."""
+        import torch
+
+        device = next(self.model_runner.get_model().parameters()).device
+        uuid = str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else ""
+        cores = set()
+        for task in os.listdir("/proc/self/task"):  # the OpenMP threads are bound, not the process
+            try:
+                cores |= os.sched_getaffinity(int(task))
+            except OSError:  # a thread that has exited
+                pass
+        return {"pid": os.getpid(), "visible": os.environ.get("CUDA_VISIBLE_DEVICES", ""), "device": str(device),
+                "uuid": uuid, "cores": sorted(cores)}

@@ -280,8 +280,40 @@ def write_safetensors(path: str, tensors: list[WeightTensor]) -> None:
         f.writelines(t.data for t in tensors)
 
 
+_STAGING_DIR: list[str] = []  # `staging_dir` (set_staging_dir); empty: /dev/shm where there is one
+
+
+def set_staging_dir(path: str) -> None:
+    """Stage pushed weights in `path` ("": /dev/shm, else the temporary
+    directory). Raises ValueError if it is not a writable directory."""
+    _STAGING_DIR.clear()
+    if path:
+        if not os.path.isdir(path) or not os.access(path, os.W_OK):
+            raise ValueError(f"staging_dir: {path!r} is not a writable directory")
+        _STAGING_DIR.append(path)
+
+
 def _staging_dir() -> str | None:
+    if _STAGING_DIR:
+        return _STAGING_DIR[0]
     return "/dev/shm" if os.path.isdir("/dev/shm") else None
+
+
+def check_staging_room(nbytes: int) -> None:
+    """Raise WeightsRejected, naming `staging_dir`, when its file system has
+    less than `nbytes` free: a push that would fill /dev/shm part way through
+    fails at its start instead (a staging file is sparse until written)."""
+    import shutil
+    import tempfile
+
+    where = _staging_dir() or tempfile.gettempdir()
+    free = shutil.disk_usage(where).free
+    if free < nbytes:
+        from rollout_service.engines.base import WeightsRejected
+
+        raise WeightsRejected(
+            f"staging_dir: {where} has {free / 2**30:.2f} GiB free, the push needs {nbytes / 2**30:.2f} GiB; set "
+            "staging_dir to a directory with room (in a container: ipc: host, or shm_size above the largest push)")
 
 
 # The staging file of a superseded push, kept (with its memory pages) for the
@@ -300,6 +332,13 @@ def _recycle(path: str) -> None:
     os.close(fd)
     os.replace(path, spare)
     _spare.append(spare)
+
+
+def _spare_size() -> int:
+    try:
+        return os.path.getsize(_spare[0])
+    except OSError:
+        return 0
 
 
 def drop_spare() -> None:
@@ -339,6 +378,7 @@ class StagingWriter:
         self.received = 0
         self.prefix = prefix
         head = _safetensors_header((s.name, s.dtype, s.shape, s.byte_length) for s in specs)
+        check_staging_room(len(head) + self.total - (_spare_size() if _spare else 0))
         fd, self.path = tempfile.mkstemp(prefix=prefix, suffix=".safetensors", dir=_staging_dir())
         if _spare:  # reuse a superseded push's pages (see _recycle)
             try:
