@@ -97,7 +97,8 @@ class ServiceConfig:
     max_groups_per_submit: int = 4096
     consumer_ttl_s: float = 3600.0
     push_idle_timeout_s: float = 30.0  # a weight push silent this long is abandoned
-    state_dir: str = ""  # where a graceful shutdown saves unfinished work ("" = nowhere)
+    state_dir: str = ""  # the journal and the last pushed weights, kept across restarts ("" = nothing kept)
+    journal_commit_ms: float = 2.0  # group commit: the journal fsyncs at most this often (milliseconds)
     log_level: str = "INFO"
     engine: EngineConfig = field(default_factory=EngineConfig)
     carry_over: CarryOverConfig = field(default_factory=CarryOverConfig)
@@ -178,6 +179,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Se
     for env, key in (("ROLLOUT_SUBMIT_TOKENS", "auth.submit_tokens"), ("ROLLOUT_WEIGHTS_TOKENS", "auth.weights_tokens")):
         if os.environ.get(env):
             set_field(cfg, key, os.environ[env])
+    if not 0 <= cfg.journal_commit_ms <= 1000:
+        raise ValueError(f"journal_commit_ms must be in [0, 1000] milliseconds, got {cfg.journal_commit_ms}")
     cfg.carry_over.validate()
     cfg.engine.spec.validate()
     check_environments(cfg.environments)

@@ -55,6 +55,7 @@ class TrajectoryOps(Protocol):
     def requeue(self, req: Request) -> None: ...
     def finish(self, req: Request, reason: FinishReason, drop_reason: str = "") -> None: ...
     def deliver(self, group: Group, sample: Sample) -> None: ...
+    def record_progress(self, req: Request) -> None: ...  # journal its state (a turn boundary)
     def guarded(self, what: str, req: Request, fn: Callable[..., Any], *args: Any) -> Any: ...
 
 
@@ -161,6 +162,7 @@ class Trajectories:
         req.awaiting = True
         req.affinity = engine_id
         req.awaiting_since = core.clock.now()
+        core.record_progress(req)
         if mt.environment:
             self._calls.spawn(self._call(req, req.epoch, req.turn_index - 1), name=f"env-{req.request_id}")
             return
@@ -238,6 +240,7 @@ class Trajectories:
             return
         now = core.clock.now()
         req.append_observation(list(observation), tool_s, now)
+        core.record_progress(req)
         core.counters["observations_appended"] += 1
         core.counters["observation_tokens"] += len(observation)
         core.requeue(req)  # at the head: warm trajectories first
