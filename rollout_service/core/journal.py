@@ -32,7 +32,7 @@ _FRAME = struct.Struct("<II")
 _encode = json.JSONEncoder(separators=(",", ":"), check_circular=False).encode
 
 
-class JournalError(Exception):
+class JournalError(ValueError):
     """The journal cannot be used (another format version, not a journal)."""
 
 

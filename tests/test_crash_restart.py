@@ -1,0 +1,247 @@
+"""Crashes on real processes: SIGKILL the service, start it again, and the
+public client sees every sample once (with `state_dir`) or a
+ServiceRestarted naming what was lost (without)."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from trainer_client import PromptGroup, RolloutClient, ServiceRestarted
+
+from helpers import free_port, wait_until
+
+WEIGHTS = {"w": np.arange(64, dtype=np.float32).reshape(8, 8)}
+
+
+class Server:
+    """The service as a process of its own on fixed loopback ports, so that
+    a restart is found where the killed one was."""
+
+    def __init__(self, state_dir=None, step_s: float = 0.002, *extra: str) -> None:
+        self.grpc_port, self.http_port = free_port(), free_port()
+        self.args = [sys.executable, "-m", "rollout_service.cli", "serve", "--engine", "sim", "--num-engines", "2",
+                     "--grpc-port", str(self.grpc_port), "--http-port", str(self.http_port),
+                     "--set", f"engine.sim.decode_base_s={step_s}", "--set", "engine.sim.decode_per_seq_s=0.0",
+                     "--set", "log_level=\"WARNING\"", *extra]
+        if state_dir is not None:
+            self.args += ["--set", f'state_dir="{state_dir}"']
+        self.proc: subprocess.Popen | None = None
+        self.address = f"127.0.0.1:{self.grpc_port}"
+
+    def start(self) -> "Server":
+        self.proc = subprocess.Popen(self.args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        return self
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(30)
+
+    def stop(self) -> str:
+        """Stop it (if running) and return the end of its stderr."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        return self.proc.stderr.read()[-3000:]
+
+
+def _groups(prefix: str, n: int, samples: int = 4, length: int = 40, spread: int = 30) -> list[PromptGroup]:
+    return [PromptGroup(prompt_token_ids=[1, 5, i % 50], num_samples=samples, max_tokens=length + spread * samples,
+                        group_id=f"{prefix}{i}",
+                        metadata={"sim.target_lengths": ",".join(str(length + spread * j) for j in range(samples))})
+            for i in range(n)]
+
+
+async def _consume(client: RolloutClient, out: list, until: int, ack_every: int = 3) -> None:
+    """Stream until `out` holds `until` samples, acknowledging every
+    `ack_every` and all at the end (ack_every=None: none)."""
+    async for s in client.stream(ack_every=ack_every or 1 << 62):
+        out.append(s)
+        if len(out) >= until:
+            if ack_every:
+                await client.ack()
+            return
+
+
+async def _snoop(address: str, seen: dict[int, str], total: int) -> None:
+    """A consumer that never acknowledges: it records which sample each
+    cursor carried (from cursor 0, across restarts of one incarnation)."""
+    async with RolloutClient(address, consumer_id="snoop", reconnect_timeout_s=60) as snoop:
+        async for s in snoop.stream(ack_every=1 << 62, from_cursor=0):
+            assert seen.setdefault(s.cursor, s.sample_id) == s.sample_id, f"cursor {s.cursor} changed its sample"
+            if len(seen) >= total:
+                return
+
+
+async def test_sigkill_with_state_dir_delivers_every_sample_once_under_its_cursor(tmp_path):
+    server = Server(tmp_path, 0.004).start()
+    groups = _groups("k", 12)
+    got: list = []
+    seen: dict[int, str] = {}
+    try:
+        async with RolloutClient(server.address, consumer_id="trainer", reconnect_timeout_s=60) as client:
+            await client.wait_ready(60)
+            await client.push_weights(WEIGHTS, version=3)
+            await client.submit(groups)
+            before = (await client.status()).incarnation
+            snoop = asyncio.create_task(_snoop(server.address, seen, 48))
+            consumer = asyncio.create_task(_consume(client, got, 48))
+            await wait_until(lambda: len(got) >= 12 or consumer.done(), 60, "12 samples before the kill")
+            server.kill()
+            server.start()  # same ports, same state_dir
+            await asyncio.wait_for(consumer, 60)
+            status = await client.status()
+            await asyncio.wait_for(snoop, 30)
+            # Everything acknowledged survives another SIGKILL and never comes again.
+            server.kill()
+            server.start()
+            async with RolloutClient(server.address, consumer_id="trainer", reconnect_timeout_s=60) as again:
+                await again.wait_ready(60)
+                late = []
+                with pytest.raises(asyncio.TimeoutError):
+                    await asyncio.wait_for(_consume(again, late, 1), 1.5)
+                assert late == [], "an acknowledged sample was delivered again"
+                assert (await again.status()).incarnation == before
+    finally:
+        print(server.stop())
+    ids = [s.sample_id for s in got]
+    assert len(ids) == 48 and len(set(ids)) == 48, "a sample was lost or delivered twice"
+    assert status.incarnation == before, "the same state_dir is the same incarnation"
+    assert {s.cursor: s.sample_id for s in got} == seen, "a re-delivered sample changed its cursor"
+    assert status.policy_version == 3, "the restarted service does not serve the pushed weights"
+    assert all(v == 3 for s in got for v, _, _ in s.versions), "a token is tagged with a version that did not serve"
+    assert sorted(s.group_id for s in got if s.group_complete) == sorted(g.group_id for g in groups)
+
+
+async def test_a_restart_without_state_dir_raises_service_restarted_naming_the_groups():
+    server = Server(None, 0.01).start()
+    try:
+        async with RolloutClient(server.address, consumer_id="trainer", reconnect_timeout_s=60) as client:
+            await client.wait_ready(60)
+            await client.submit(_groups("a", 2, length=5, spread=0))  # short: complete before the kill
+            got: list = []
+            await _consume(client, got, 8)
+            await client.submit(_groups("b", 3, length=1000, spread=0))
+            server.kill()
+            server.start()
+            t0 = None
+
+            async def consume():
+                nonlocal t0
+                async for _ in client.stream():
+                    pass
+
+            task = asyncio.create_task(consume())
+            async with RolloutClient(server.address) as probe:
+                await probe.wait_ready(60)
+            t0 = time.monotonic()
+            with pytest.raises(ServiceRestarted) as err:
+                await asyncio.wait_for(task, 30)
+            waited = time.monotonic() - t0
+    finally:
+        print(server.stop())
+    assert sorted(err.value.group_ids) == ["b0", "b1", "b2"]
+    assert "resubmit_on_restart" in str(err.value) and "b0" in str(err.value)
+    assert waited < 10, f"ServiceRestarted came {waited:.1f} s after the service was back"
+
+
+async def test_resubmit_on_restart_completes_the_groups_without_duplicates():
+    server = Server(None, 0.004).start()
+    groups = _groups("r", 6, samples=4, length=20, spread=60)
+    got: list = []
+    try:
+        async with RolloutClient(server.address, consumer_id="trainer", reconnect_timeout_s=60,
+                                 resubmit_on_restart=True) as client:
+            await client.wait_ready(60)
+            await client.submit(groups)
+            consumer = asyncio.create_task(_consume(client, got, 24))
+            await wait_until(lambda: len(got) >= 6 or consumer.done(), 60, "6 samples before the kill")
+            server.kill()
+            server.start()
+            await asyncio.wait_for(consumer, 60)
+    finally:
+        print(server.stop())
+    pairs = [(s.group_id, s.index) for s in got]
+    assert len(pairs) == 24 and len(set(pairs)) == 24
+    assert sorted(s.group_id for s in got if s.group_complete) == sorted(g.group_id for g in groups)
+
+
+def test_a_journal_of_another_format_version_is_refused_saying_what_to_do(tmp_path):
+    from rollout_service.core.journal import JOURNAL_FILE, frame
+
+    (tmp_path / JOURNAL_FILE).write_bytes(frame({"t": "header", "format": 99, "incarnation": "x"}))
+    server = Server(tmp_path).start()
+    assert server.proc.wait(60) == 2
+    err = server.proc.stderr.read()
+    assert "journal format version 99" in err and "reads version 1" in err and "move state_dir" in err
+    assert "Traceback" not in err
+
+
+async def test_a_torn_tail_is_cut_and_what_came_before_it_survives(tmp_path):
+    from rollout_service.core.journal import frame
+
+    from helpers import running, sim_config
+
+    cfg = sim_config(num_engines=1)
+    cfg.state_dir = str(tmp_path)
+    async with running(cfg) as service:
+        async with RolloutClient(f"127.0.0.1:{service.grpc_port}", consumer_id="c") as client:
+            await client.submit(_groups("t", 2, samples=2, length=5, spread=0))
+            got: list = []
+            await _consume(client, got, 4, ack_every=None)
+            await client.ack(got[1].cursor)  # two acknowledged, two not
+            unacked = sorted((s.sample_id, s.cursor) for s in got[2:])
+    journal = tmp_path / "journal.log"
+    # A crash mid-write: the last record (an ack of everything) lost its end.
+    with open(journal, "ab") as f:
+        f.write(frame({"t": "ack", "consumer": "c", "c": 10**6})[:-7])
+    async with running(cfg) as service:
+        async with RolloutClient(f"127.0.0.1:{service.grpc_port}", consumer_id="c") as client:
+            again: list = []
+            await asyncio.wait_for(_consume(client, again, 2, ack_every=None), 30)
+            created = dict(await client.submit_detailed(_groups("t", 2) + _groups("n", 1)))
+    assert sorted((s.sample_id, s.cursor) for s in again) == unacked, "the unacknowledged samples under their cursors"
+    assert created == {"t0": False, "t1": False, "n0": True}
+
+
+async def test_weights_after_a_restart_are_the_last_pushed_or_the_version_really_served(tmp_path):
+    server = Server(tmp_path).start()
+    try:
+        async with RolloutClient(server.address, consumer_id="w", reconnect_timeout_s=60) as client:
+            await client.wait_ready(60)
+            await client.push_weights(WEIGHTS, version=1)
+            await client.push_weights({"w": WEIGHTS["w"] + 1}, version=2)
+            server.kill()
+            assert [p.name for p in tmp_path.glob("weights-*")] == ["weights-v2.safetensors"]
+            server.start()
+            await client.wait_ready(60)
+            status = await wait_until(client.status, 60, "the restarted service")
+            assert status.policy_version == 2 and all(e.policy_version == 2 for e in status.engines)
+            await client.submit(_groups("w", 1, samples=2, length=5, spread=0))
+            got: list = []
+            await asyncio.wait_for(_consume(client, got, 2), 30)
+            assert all(v == 2 for s in got for v, _, _ in s.versions)
+            # Without the weights file the service serves, and says it serves, the model's own weights.
+            server.kill()
+            (tmp_path / "weights-v2.safetensors").unlink()
+            server.start()
+            await client.wait_ready(60)
+            status = await wait_until(client.status, 60, "the restarted service")
+            await client.submit(_groups("x", 1, samples=2, length=5, spread=0))
+            got = []
+            await asyncio.wait_for(_consume(client, got, 2), 30)
+    finally:
+        print(server.stop())
+    assert status.policy_version == 0
+    assert all(v == 0 for s in got for v, _, _ in s.versions)
