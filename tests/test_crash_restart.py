@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -245,3 +246,101 @@ async def test_weights_after_a_restart_are_the_last_pushed_or_the_version_really
         print(server.stop())
     assert status.policy_version == 0
     assert all(v == 0 for s in got for v, _, _ in s.versions)
+
+
+async def _retry(what: str, call, timeout: float = 90.0):
+    """`call()` until the service answers it (a restart in progress), bounded."""
+    import grpc
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return await call()
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL,
+                                  grpc.StatusCode.UNKNOWN) or time.monotonic() > deadline:
+                raise AssertionError(f"{what} failed: {exc.code().name} {exc.details()}") from exc
+            await asyncio.sleep(0.2)
+
+
+async def test_chaos_five_sigkills_in_a_closed_loop_of_1000_groups_lose_and_repeat_nothing(tmp_path):
+    """A closed loop (64 groups in flight, a weight push every 100 groups)
+    while the service is SIGKILLed at 5 random moments and restarted."""
+    import grpc
+
+    rng = random.Random(38)
+    total, in_flight, kills = 1000, 64, sorted(rng.sample(range(60, 940), 5))
+    server = Server(tmp_path, 0.001).start()
+    got: dict[tuple[str, int], int] = {}  # (group, index) -> times received
+    wrong_versions = []
+    version = confirmed = 0  # pushed (maybe in flight), and known to serve
+    submitted_at: dict[str, int] = {}  # group -> the version confirmed when it was submitted
+    completed = killed = 0
+    t0 = time.monotonic()
+
+    def group(i: int) -> PromptGroup:
+        return PromptGroup(prompt_token_ids=[1, 2, i % 97], num_samples=2, max_tokens=64, group_id=f"c{i}",
+                           metadata={"sim.target_lengths": f"{4 + i % 7},{12 + i % 11}"})
+
+    async def submit(i: int) -> None:
+        submitted_at[f"c{i}"] = confirmed
+        await _retry("submit", lambda: client.submit([group(i)]))
+
+    async def push(v: int) -> None:
+        nonlocal confirmed
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                await client.push_weights({"w": np.full((4, 4), v, dtype=np.float32)}, version=v)
+                break
+            except grpc.aio.AioRpcError as exc:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.2)
+                serving = (await _retry("status", client.status)).policy_version
+                if serving >= v:  # applied; the reply was lost with the process
+                    break
+                if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise
+        confirmed = v
+
+    async def chaos() -> None:
+        nonlocal killed
+        for at in kills:
+            await wait_until(lambda: completed >= at, 300, f"{at} groups")
+            await asyncio.sleep(rng.uniform(0, 0.2))
+            server.kill()
+            killed += 1
+            server.start()
+
+    try:
+        async with RolloutClient(server.address, consumer_id="trainer", reconnect_timeout_s=90) as client:
+            await client.wait_ready(60)
+            for i in range(in_flight):
+                await submit(i)
+            next_group = in_flight
+            killer = asyncio.create_task(chaos())
+            async for samples in client.groups():
+                for s in samples:
+                    got[(s.group_id, s.index)] = got.get((s.group_id, s.index), 0) + 1
+                    tags = [v for v, _, _ in s.versions]
+                    if min(tags) < submitted_at[s.group_id] or max(tags) > version:
+                        wrong_versions.append((s.sample_id, tags, submitted_at[s.group_id], version))
+                completed += 1
+                if completed == total:
+                    break
+                if completed % 100 == 0:
+                    version += 1
+                    await push(version)
+                if next_group < total:
+                    await submit(next_group)
+                    next_group += 1
+            await asyncio.wait_for(killer, 60)
+    finally:
+        print(server.stop())
+    duplicates = sum(n - 1 for n in got.values())
+    print(f"chaos: {completed} groups, {len(got)} samples, {duplicates} duplicates, {killed} SIGKILLs, "
+          f"{version} weight versions, {len(wrong_versions)} wrong version tags, {time.monotonic() - t0:.1f} s")
+    assert killed == 5 and completed == total
+    assert len(got) == 2 * total and duplicates == 0
+    assert not wrong_versions, wrong_versions[:5]

@@ -474,6 +474,9 @@ class RolloutClient:
     async def ack(self, cursor: int | None = None) -> int:
         """Acknowledge every sample up to `cursor` (default: all received);
         returns the cursor acknowledged. The service may then forget them.
+        While the service is unreachable (restarting) the ack is skipped,
+        logged, and covered by the next one: what it would have acknowledged
+        is re-delivered and skipped by the streams.
 
         Args:
             cursor: the highest cursor consumed.
@@ -481,7 +484,14 @@ class RolloutClient:
         cursor = self.last_cursor if cursor is None else cursor
         if cursor <= self.acked_cursor:
             return self.acked_cursor
-        reply = await self._stub.Ack(pb.AckRequest(consumer_id=self.consumer_id, cursor=cursor), metadata=self._md)
+        try:
+            reply = await self._stub.Ack(pb.AckRequest(consumer_id=self.consumer_id, cursor=cursor),
+                                         metadata=self._md)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() not in _RETRYABLE:
+                raise
+            log.warning("ack of cursor %d not delivered (%s); the next ack covers it", cursor, exc.code().name)
+            return self.acked_cursor
         self.acked_cursor = max(self.acked_cursor, reply.acked_cursor)
         return self.acked_cursor
 
