@@ -21,10 +21,12 @@ their original cursors, each consumer's acknowledged cursor. Private groups
 """
 from __future__ import annotations
 
+import base64
 import dataclasses
 import logging
 import os
 import uuid
+from array import array
 from pathlib import Path
 
 from rollout_service.core.delivery import Consumer, Entry
@@ -80,19 +82,43 @@ def _turn_from(d: dict) -> Turn:
     return Turn(finish_reason=None if reason is None else FinishReason(reason), **d)
 
 
+# Token ids (int32) and logprobs (float32, as the wire carries them) go into
+# records as base64 of their bytes: ~10x cheaper to encode than JSON numbers.
+def _ints(values: list[int]) -> str:
+    return base64.b64encode(array("i", values).tobytes()).decode()
+
+
+def _floats(values: list[float]) -> str:
+    return base64.b64encode(array("f", values).tobytes()).decode()
+
+
+def _ints_from(text: str) -> list[int]:
+    return array("i", base64.b64decode(text)).tolist()
+
+
+def _floats_from(text: str) -> list[float]:
+    return array("f", base64.b64decode(text)).tolist()
+
+
 _SAMPLE_FIELDS = [f.name for f in dataclasses.fields(Sample)]
+_PACKED = {"prompt_token_ids": (_ints, _ints_from), "response_token_ids": (_ints, _ints_from),
+           "logprobs": (_floats, _floats_from), "loss_mask": (_ints, _ints_from)}
 
 
 def _sample_dict(s: Sample) -> dict:
     d = {name: getattr(s, name) for name in _SAMPLE_FIELDS}
+    for name, (pack, _) in _PACKED.items():
+        d[name] = pack(d[name])
     d["versions"] = s.versions.segments
     d["finish_reason"] = int(s.finish_reason)
-    d["turns"] = [_turn_dict(t) for t in s.turns]
+    d["turns"] = [_turn_dict(t) for t in s.turns] if s.turns else []
     return d
 
 
 def _sample_from(d: dict) -> Sample:
     d = dict(d)
+    for name, (_, unpack) in _PACKED.items():
+        d[name] = unpack(d[name])
     d["versions"] = VersionTags([list(x) for x in d["versions"]])
     d["finish_reason"] = FinishReason(d["finish_reason"])
     d["turns"] = [_turn_from(t) for t in d.get("turns", [])]
@@ -100,7 +126,7 @@ def _sample_from(d: dict) -> Sample:
 
 
 def _req_dict(r: Request) -> dict:
-    return {"g": r.group.group_id, "i": r.index, "token_ids": r.token_ids, "logprobs": r.logprobs,
+    return {"g": r.group.group_id, "i": r.index, "token_ids": _ints(r.token_ids), "logprobs": _floats(r.logprobs),
             "versions": r.versions.segments, "engines": r.engines, "num_migrations": r.num_migrations,
             "first_token_at": r.first_token_at, "turns": [_turn_dict(t) for t in r.turns],
             "turn_index": r.turn_index, "awaiting": r.awaiting, "answered_turn": r.answered_turn,
@@ -108,7 +134,7 @@ def _req_dict(r: Request) -> dict:
 
 
 def _req_apply(req: Request, d: dict) -> None:
-    req.token_ids, req.logprobs = list(d["token_ids"]), list(d["logprobs"])
+    req.token_ids, req.logprobs = _ints_from(d["token_ids"]), _floats_from(d["logprobs"])
     req.versions = VersionTags([list(x) for x in d["versions"]])
     req.engines, req.num_migrations, req.first_token_at = list(d["engines"]), d["num_migrations"], d["first_token_at"]
     req.turns = [_turn_from(t) for t in d["turns"]]
