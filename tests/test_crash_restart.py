@@ -178,15 +178,62 @@ async def test_resubmit_on_restart_completes_the_groups_without_duplicates():
     assert sorted(s.group_id for s in got if s.group_complete) == sorted(g.group_id for g in groups)
 
 
-def test_a_journal_of_another_format_version_is_refused_saying_what_to_do(tmp_path):
-    from rollout_service.core.journal import JOURNAL_FILE, frame
+@pytest.mark.parametrize("version", [1, 99])  # 1: the release before token ids were packed after the JSON
+def test_a_journal_of_another_format_version_is_refused_saying_what_to_do(tmp_path, version):
+    from rollout_service.core.journal import FORMAT_VERSION, JOURNAL_FILE, frame
 
-    (tmp_path / JOURNAL_FILE).write_bytes(frame({"t": "header", "format": 99, "incarnation": "x"}))
+    (tmp_path / JOURNAL_FILE).write_bytes(frame({"t": "header", "format": version, "incarnation": "x"}))
     server = Server(tmp_path).start()
     assert server.proc.wait(60) == 2
     err = server.proc.stderr.read()
-    assert "journal format version 99" in err and "reads version 1" in err and "move state_dir" in err
+    assert f"journal format version {version}" in err and f"reads version {FORMAT_VERSION}" in err
+    assert "move state_dir" in err
     assert "Traceback" not in err
+
+
+async def test_replay_and_compaction_give_back_each_sample_as_recorded(tmp_path):
+    """Sample records leave the prompt to their group's record: a replay (of
+    the journal, and of its compaction once the group is finished) gives
+    back every field, the prompt included."""
+    import dataclasses
+    from array import array
+
+    from rollout_service.core.durable import DurableState
+    from rollout_service.core.snapshot import CoreSnapshot
+    from rollout_service.engines.types import FinishReason, SamplingParams
+    from rollout_service.lifecycle.types import Group, GroupSpec, MultiTurnSpec, Sample, Turn
+    from rollout_service.lifecycle.versions import VersionTags
+
+    spec = GroupSpec("g", [1, 5, 6, 7], 2, SamplingParams(max_tokens=20, stop_token_ids=(3,), stop=("x",)),
+                     metadata={"k": "v"}, batch_id="b", multi_turn=MultiTurnSpec(max_turns=2))
+    group = Group(spec, submitted_at=1.5)
+    logprobs = array("f", [-0.25 * i for i in range(10)]).tolist()  # float32, as the wire carries them
+    sample = Sample(sample_id="g/1", group_id="g", index=1, prompt_id="", prompt_token_ids=spec.prompt_token_ids,
+                    response_token_ids=list(range(100, 110)), logprobs=logprobs,
+                    versions=VersionTags([[0, 0, 4], [1, 4, 6]]), finish_reason=FinishReason.STOP, engines=["sim-0"],
+                    num_migrations=1, queued_at=1.0, first_token_at=2.0, finished_at=3.0, metadata={"k": "v"},
+                    batch_id="b", turns=[Turn("generated", 0, 6, "sim-0", FinishReason.STOP, 1.0, 2.0),
+                                         Turn("observation", 6, 4)],
+                    loss_mask=[1] * 6 + [0] * 4)
+    state = DurableState(str(tmp_path), 0.002)
+    assert state.open() is None
+    state.rewrite_now(CoreSnapshot(policy_version=0))  # the header, as at a start
+    state.journal.start()
+    state.record_submit(group)
+    state.record_sample(7, sample, False)
+    await state.journal.commit()
+    await state.journal.close()
+    snapshot = DurableState(str(tmp_path), 0.002).open()
+    assert [g.spec for g in snapshot.groups] == [spec]
+    assert [(e.cursor, dataclasses.asdict(e.sample)) for e in snapshot.entries] == [(7, dataclasses.asdict(sample))]
+    # Compacted once the group is done: its prompt comes with its retained sample.
+    snapshot.groups, snapshot.done_group_ids = [], ["g"]
+    state = DurableState(str(tmp_path), 0.002)
+    state.open()
+    state.rewrite_now(snapshot)
+    again = DurableState(str(tmp_path), 0.002).open()
+    assert not again.groups and again.done_group_ids == ["g"]
+    assert [dataclasses.asdict(e.sample) for e in again.entries] == [dataclasses.asdict(sample)]
 
 
 async def test_a_torn_tail_is_cut_and_what_came_before_it_survives(tmp_path):

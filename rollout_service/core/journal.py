@@ -1,14 +1,17 @@
 """A write-ahead journal: framed records appended to one file, group commit.
 
 Each record is `length (4 bytes) | crc32 (4 bytes) | payload` (little
-endian; the payload is JSON). The first record is the header: the format
+endian). The payload is JSON, optionally followed by a newline and binary
+data (packed token ids and logprobs; compact JSON holds no newline). The
+first record is the header, JSON only in every format version: the format
 version and the service's incarnation. Reading stops at the first record
 that is not whole (a length past the end, a checksum that does not match):
 that torn tail, what a crash mid-write leaves, is cut off.
 
 Group commit: `append` buffers a record and returns at once; a writer task
-writes what is buffered and fsyncs at most every `commit_interval_s`, so
-one fsync makes many records durable. `commit()` waits until everything
+encodes (in a worker thread, for records handed over as encoders), writes
+what is buffered and fsyncs at most every `commit_interval_s`, so one fsync
+makes many records durable. `commit()` waits until everything
 appended before it is durable; `on_durable` callbacks learn each committed
 sequence number. `rewrite` replaces the whole file with a snapshot's
 records atomically (temporary file, fsync, rename, fsync of the directory).
@@ -26,7 +29,7 @@ from typing import Callable, Iterator
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 JOURNAL_FILE = "journal.log"
 _FRAME = struct.Struct("<II")
 _encode = json.JSONEncoder(separators=(",", ":"), check_circular=False).encode
@@ -36,25 +39,34 @@ class JournalError(ValueError):
     """The journal cannot be used (another format version, not a journal)."""
 
 
-def frame(record: dict) -> bytes:
+def frame(record: dict, blob: bytes = b"") -> bytes:
+    """A framed record: `record` as JSON, then `blob` (binary) if any."""
     payload = _encode(record).encode()
+    if blob:
+        payload = b"\n".join((payload, blob))
     return _FRAME.pack(len(payload), zlib.crc32(payload)) + payload
 
 
 def read(path: Path) -> tuple[list[dict], int, int]:
     """The whole records of a journal file, the byte offset where they end,
-    and the file's size (larger when the tail is torn)."""
+    and the file's size (larger when the tail is torn). A record's binary
+    data, if any, is its "_blob" (a memoryview of the file's bytes)."""
     data = path.read_bytes()
+    view = memoryview(data)
     records, pos = [], 0
     while pos + _FRAME.size <= len(data):
         length, crc = _FRAME.unpack_from(data, pos)
-        end = pos + _FRAME.size + length
-        if end > len(data) or zlib.crc32(data[pos + _FRAME.size:end]) != crc:
+        start, end = pos + _FRAME.size, pos + _FRAME.size + length
+        if end > len(data) or zlib.crc32(view[start:end]) != crc:
             break
+        split = data.find(b"\n", start, end)
         try:
-            records.append(json.loads(data[pos + _FRAME.size:end]))
+            record = json.loads(data[start:end if split < 0 else split])
         except ValueError:
             break
+        if split >= 0:
+            record["_blob"] = view[split + 1:end]
+        records.append(record)
         pos = end
     return records, pos, len(data)
 
@@ -104,7 +116,7 @@ class Journal:
         self.bytes_written = 0  # since the last rewrite
         self.on_durable: list[Callable[[int], None]] = []
         self._file = None
-        self._buffer: list[bytes] = []
+        self._buffer: list[bytes | Callable[[], bytes]] = []
         self._appended = 0  # sequence number of the last record appended
         self._durable = 0  # ... and of the last one made durable
         self._waiters: list[tuple[int, asyncio.Future]] = []
@@ -119,11 +131,13 @@ class Journal:
     def appended(self) -> int:
         return self._appended
 
-    def append(self, record: dict) -> int:
-        """Buffer a record; returns its sequence number (durable once an
-        `on_durable` callback sees a number at least as large)."""
-        data = frame(record)
-        self._buffer.append(data)
+    def append(self, record: dict | Callable[[], bytes]) -> int:
+        """Buffer a record: a dict (framed now), or a function returning the
+        framed record, called in the writer's worker thread (whatever it
+        reads must not change once appended). Returns the record's sequence
+        number (durable once an `on_durable` callback sees a number at least
+        as large)."""
+        self._buffer.append(frame(record) if isinstance(record, dict) else record)
         self._appended += 1
         self._wake.set()
         return self._appended
@@ -156,15 +170,13 @@ class Journal:
             self._file.close()
             self._file = None
 
-    def _take(self) -> bytes:
-        data = b"".join(self._buffer)
-        self._buffer.clear()
-        return data
-
-    def _write(self, data: bytes) -> None:
+    def _write(self, records: list[bytes | Callable[[], bytes]]) -> int:
+        """Encode, write and fsync `records` (in a worker thread); returns the bytes written."""
+        data = b"".join([r if isinstance(r, bytes) else r() for r in records])
         self._file.write(data)
         self._file.flush()
         os.fsync(self._file.fileno())
+        return len(data)
 
     def _done(self, seq: int) -> None:
         self._durable = seq
@@ -215,9 +227,8 @@ class Journal:
             self.bytes_written = 0
             self._done(max(seq, self._durable))
         if self._buffer:
-            seq, data = self._appended, self._take()
-            await asyncio.to_thread(self._write, data)
-            self.bytes_written += len(data)
+            seq, records, self._buffer = self._appended, self._buffer, []
+            self.bytes_written += await asyncio.to_thread(self._write, records)
             self._done(seq)
 
     def rewrite(self, records: list[bytes]) -> None:
@@ -225,6 +236,6 @@ class Journal:
         commit. Call it in the same step as the snapshot they come from:
         what is buffered now is covered by them and dropped; what is
         appended later goes to the new file after them."""
-        self._buffer.clear()
+        self._buffer = []
         self._rewrite, self._rewrite_seq = records, self._appended
         self._wake.set()
