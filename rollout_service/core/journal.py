@@ -199,11 +199,12 @@ class Journal:
             self._wake.clear()
             if self._closed:
                 break
-            # Group commit: at most one fsync per interval; what arrives
-            # meanwhile rides along.
+            # Group commit: at most one fsync per interval (counted from the
+            # start of the last one); what arrives meanwhile rides along.
             wait = last + self.commit_interval_s - loop.time()
             if wait > 0:
                 await asyncio.sleep(wait)
+            last = loop.time()
             try:
                 await self._flush()
             except BaseException as exc:  # a full or failing disk: every waiter hears of it
@@ -214,7 +215,6 @@ class Journal:
                         future.set_exception(exc)
                 self._waiters.clear()
                 raise
-            last = loop.time()
 
     async def _flush(self) -> None:
         """Write (and fsync) a pending rewrite, then what is buffered. Only
