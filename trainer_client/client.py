@@ -252,7 +252,10 @@ class RolloutClient:
         `awaiting_observation`, see `trajectory_groups`).
 
         A sample counts as consumed when the caller asks for the next one;
-        consumed samples are acknowledged every `ack_every` (and by `ack()`).
+        consumed samples are acknowledged every `ack_every` (and by `ack()`),
+        in the background: the stream goes on while the service makes the
+        ack durable (one ack in flight at a time; awaited when the stream
+        ends or reconnects, and its error, if any, raised by the stream).
         On a broken connection it reconnects and resumes after the last
         cursor received.
 
@@ -263,6 +266,14 @@ class RolloutClient:
         """
         cursor = self.last_cursor if from_cursor is None else from_cursor
         deadline = None
+        acking: asyncio.Task | None = None  # the ack in flight
+
+        async def settle() -> None:
+            nonlocal acking
+            if acking is not None:
+                task, acking = acking, None
+                await task
+
         while True:
             call = self._stub.StreamSamples(
                 pb.StreamSamplesRequest(consumer_id=self.consumer_id, from_cursor=cursor), metadata=self._md
@@ -270,6 +281,7 @@ class RolloutClient:
             try:
                 incarnation = dict(await call.initial_metadata() or ()).get(INCARNATION_KEY, "")
                 if incarnation and self.incarnation and incarnation != self.incarnation:
+                    await settle()
                     await self._restarted(incarnation)  # raises, or submits again: cursors start over
                     cursor = 0
                     continue
@@ -284,10 +296,14 @@ class RolloutClient:
                         continue  # yielded before the service restarted
                     yield CompletedSample.from_pb(event.sample, event.cursor, complete,
                                                   event.awaiting_observation)
-                    if cursor - self.acked_cursor >= ack_every:
-                        await self.ack(cursor)
+                    if acking is not None and acking.done():
+                        await settle()  # raises what it raised
+                    if acking is None and cursor - self.acked_cursor >= ack_every:
+                        acking = asyncio.ensure_future(self.ack(cursor))
+                await settle()
                 return
             except grpc.aio.AioRpcError as exc:
+                await settle()
                 if exc.code() not in _RETRYABLE:
                     raise
                 loop = asyncio.get_running_loop()
@@ -298,6 +314,11 @@ class RolloutClient:
                 await asyncio.sleep(0.5)
             finally:
                 call.cancel()
+                if acking is not None:  # the caller stopped asking, or the stream raised: the ack lands first
+                    try:
+                        await settle()
+                    except grpc.aio.AioRpcError as exc:
+                        log.warning("ack of cursor %d failed as the stream ended: %s", cursor, exc.code().name)
 
     async def groups(self, ack: bool = True) -> AsyncIterator[list[CompletedSample]]:
         """Complete GRPO groups (samples ordered by index), as they complete.
