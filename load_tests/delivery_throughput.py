@@ -2,7 +2,9 @@
 
 Starts the service on simulated engines whose steps cost (almost) nothing, so
 the figure measures the service itself: core bookkeeping, delivery log,
-protobuf encoding, gRPC streaming and the client's decoding.
+protobuf encoding, gRPC streaming and the client's decoding. Each size runs
+without and with a `state_dir` (the write-ahead journal, fsynced by group
+commit) side by side, and prints the journal's cost as the ratio.
 
     python -m load_tests.delivery_throughput [--quick] [--report DIR]
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import tempfile
 import time
 from pathlib import Path
 
@@ -19,9 +22,10 @@ from rollout_service.service import RolloutService
 from trainer_client import PromptGroup, RolloutClient
 
 
-async def measure(groups: int, samples: int, length: int, engines: int) -> dict:
+async def measure(groups: int, samples: int, length: int, engines: int, state_dir: str = "") -> dict:
     sim = {"decode_base_s": 0.0, "decode_per_seq_s": 0.0, "prefill_per_token_s": 0.0, "max_seqs": 256}
-    cfg = ServiceConfig(grpc_port=0, http_port=0, engine=EngineConfig(kind="sim", num_engines=engines, max_seqs=256, sim=sim))
+    cfg = ServiceConfig(grpc_port=0, http_port=0, engine=EngineConfig(kind="sim", num_engines=engines, max_seqs=256, sim=sim),
+                        state_dir=state_dir)
     service = RolloutService(cfg)
     await service.start()
     try:
@@ -45,6 +49,7 @@ async def measure(groups: int, samples: int, length: int, engines: int) -> dict:
     finally:
         await service.stop()
     return {
+        "journal": bool(state_dir),
         "samples": n,
         "tokens": tokens,
         "response_length": length,
@@ -63,10 +68,18 @@ def main() -> None:
     groups = 64 if args.quick else 512
     results = []
     for length in (32, 512):
-        r = asyncio.run(measure(groups, 8, length, engines=4))
-        results.append(r)
-        print(f"{r['samples']:>6} samples x {length:>4} tokens: {r['samples_per_s']:>8.0f} samples/s "
-              f"{r['tokens_per_s']:>10.0f} tokens/s  ({r['wall_s']} s)", flush=True)
+        pair = []
+        for journal in (False, True):
+            with tempfile.TemporaryDirectory(prefix="delivery-state-") as state_dir:
+                r = asyncio.run(measure(groups, 8, length, engines=4, state_dir=state_dir if journal else ""))
+            pair.append(r)
+            results.append(r)
+            print(f"{r['samples']:>6} samples x {length:>4} tokens, {'journal' if journal else 'no state':>8}: "
+                  f"{r['samples_per_s']:>8.0f} samples/s {r['tokens_per_s']:>10.0f} tokens/s  ({r['wall_s']} s)",
+                  flush=True)
+        ratio = pair[1]["samples_per_s"] / pair[0]["samples_per_s"]
+        pair[1]["ratio_to_no_state"] = round(ratio, 3)
+        print(f"{'':>6} journal / no state at {length} tokens: {ratio:.2f} ({(1 - ratio) * 100:+.0f}% cost)", flush=True)
     if args.report:
         out = Path(args.report)
         out.mkdir(parents=True, exist_ok=True)

@@ -74,12 +74,14 @@ class SubmitRequest(_message.Message):
     def __init__(self, groups: _Optional[_Iterable[_Union[PromptGroup, _Mapping]]] = ..., batch_id: _Optional[str] = ...) -> None: ...
 
 class SubmitResponse(_message.Message):
-    __slots__ = ("group_ids", "created")
+    __slots__ = ("group_ids", "created", "incarnation")
     GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
     CREATED_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     group_ids: _containers.RepeatedScalarFieldContainer[str]
     created: _containers.RepeatedScalarFieldContainer[bool]
-    def __init__(self, group_ids: _Optional[_Iterable[str]] = ..., created: _Optional[_Iterable[bool]] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, group_ids: _Optional[_Iterable[str]] = ..., created: _Optional[_Iterable[bool]] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class StreamSamplesRequest(_message.Message):
     __slots__ = ("consumer_id", "from_cursor")
@@ -171,16 +173,18 @@ class Sample(_message.Message):
     def __init__(self, sample_id: _Optional[str] = ..., group_id: _Optional[str] = ..., index: _Optional[int] = ..., prompt_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., response_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., versions: _Optional[_Iterable[_Union[VersionSegment, _Mapping]]] = ..., min_version: _Optional[int] = ..., max_version: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., engines: _Optional[_Iterable[str]] = ..., num_migrations: _Optional[int] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., spec: _Optional[_Union[SpecStats, _Mapping]] = ..., response_text: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., batch_id: _Optional[str] = ..., drop_reason: _Optional[str] = ..., turns: _Optional[_Iterable[_Union[Turn, _Mapping]]] = ..., loss_mask: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SampleEvent(_message.Message):
-    __slots__ = ("cursor", "sample", "group_complete", "awaiting_observation")
+    __slots__ = ("cursor", "sample", "group_complete", "awaiting_observation", "incarnation")
     CURSOR_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     GROUP_COMPLETE_FIELD_NUMBER: _ClassVar[int]
     AWAITING_OBSERVATION_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     cursor: int
     sample: Sample
     group_complete: bool
     awaiting_observation: bool
-    def __init__(self, cursor: _Optional[int] = ..., sample: _Optional[_Union[Sample, _Mapping]] = ..., group_complete: _Optional[bool] = ..., awaiting_observation: _Optional[bool] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, cursor: _Optional[int] = ..., sample: _Optional[_Union[Sample, _Mapping]] = ..., group_complete: _Optional[bool] = ..., awaiting_observation: _Optional[bool] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class AckRequest(_message.Message):
     __slots__ = ("consumer_id", "cursor")
@@ -299,7 +303,7 @@ class EngineStatus(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., kind: _Optional[str] = ..., state: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., policy_version: _Optional[int] = ..., assigned: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("policy_version", "engines", "queued_requests", "running_requests", "open_groups", "last_cursor", "retained_samples", "scheduler", "counters", "uptime_s", "model", "spec")
+    __slots__ = ("policy_version", "engines", "queued_requests", "running_requests", "open_groups", "last_cursor", "retained_samples", "scheduler", "counters", "uptime_s", "model", "spec", "incarnation")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -319,6 +323,7 @@ class StatusResponse(_message.Message):
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     policy_version: int
     engines: _containers.RepeatedCompositeFieldContainer[EngineStatus]
     queued_requests: int
@@ -331,7 +336,8 @@ class StatusResponse(_message.Message):
     uptime_s: float
     model: str
     spec: SpecStatus
-    def __init__(self, policy_version: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ..., queued_requests: _Optional[int] = ..., running_requests: _Optional[int] = ..., open_groups: _Optional[int] = ..., last_cursor: _Optional[int] = ..., retained_samples: _Optional[int] = ..., scheduler: _Optional[str] = ..., counters: _Optional[_Mapping[str, float]] = ..., uptime_s: _Optional[float] = ..., model: _Optional[str] = ..., spec: _Optional[_Union[SpecStatus, _Mapping]] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, policy_version: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ..., queued_requests: _Optional[int] = ..., running_requests: _Optional[int] = ..., open_groups: _Optional[int] = ..., last_cursor: _Optional[int] = ..., retained_samples: _Optional[int] = ..., scheduler: _Optional[str] = ..., counters: _Optional[_Mapping[str, float]] = ..., uptime_s: _Optional[float] = ..., model: _Optional[str] = ..., spec: _Optional[_Union[SpecStatus, _Mapping]] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class SpecDepthBucket(_message.Message):
     __slots__ = ("min_batch", "max_batch", "num_speculative_tokens", "best_k", "tokens_per_s_per_seq", "observations")

@@ -114,7 +114,8 @@ class ServiceConfig:
     # Directories file pushes (push_weights_file) may read; none: file pushes refused.
     weights_file_dirs: list[str] = field(default_factory=list)
     http_request_timeout_s: float = 1800.0  # an OpenAI/vLLM HTTP request running longer is aborted
-    state_dir: str = ""  # where a graceful shutdown saves unfinished work ("" = nowhere)
+    state_dir: str = ""  # the journal and the last pushed weights, kept across restarts ("" = nothing kept)
+    journal_commit_ms: float = 2.0  # group commit: the journal fsyncs at most this often (milliseconds)
     staging_dir: str = ""  # where pushed weights are staged ("" = /dev/shm, else the temporary directory)
     log_level: str = "INFO"
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -220,6 +221,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Se
     for env, key in (("ROLLOUT_SUBMIT_TOKENS", "auth.submit_tokens"), ("ROLLOUT_WEIGHTS_TOKENS", "auth.weights_tokens")):
         if os.environ.get(env):
             set_field(cfg, key, os.environ[env])
+    if not 0 <= cfg.journal_commit_ms <= 1000:
+        raise ValueError(f"journal_commit_ms must be in [0, 1000] milliseconds, got {cfg.journal_commit_ms}")
     cfg.carry_over.validate()
     cfg.engine.spec.validate()
     check_environments(cfg.environments)

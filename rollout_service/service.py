@@ -77,7 +77,7 @@ class RolloutService:
         )
 
     async def _start_core(self, info: ModelInfo, tokenizer) -> None:
-        """Engines -> core (resumed from `state_dir`'s checkpoint if there is
+        """Engines -> core (resumed from `state_dir`'s journal if there is
         one), started; then the speculative decoding runtime if `[engine.spec]`
         asks for it."""
         cfg = self.config
@@ -103,9 +103,9 @@ class RolloutService:
             from rollout_service.engines.ray_fleet import bind_counters
 
             bind_counters(engines, self.core.counters)
-        if cfg.state_dir and self.core.restore(cfg.state_dir):
-            log.info("resumed from the checkpoint in %s: %d open groups, version %d",
-                     cfg.state_dir, len(self.core.groups), self.core.policy_version)
+        if cfg.state_dir and self.core.open_state(cfg.state_dir, cfg.journal_commit_ms / 1000):
+            log.info("resumed from the journal in %s: %d open groups, %d unacknowledged samples, version %d",
+                     cfg.state_dir, len(self.core.groups), self.core.delivery.retained, self.core.policy_version)
         await self.core.start()
         spec = cfg.engine.spec
         if spec.enabled:  # depth tuner and online drafter trainer, per [engine.spec]
@@ -174,8 +174,9 @@ class RolloutService:
         await web.SockSite(self._http, sock, ssl_context=tls.ssl_context() if tls is not None else None).start()
 
     async def stop(self, grace: float = 1.0) -> None:
-        """Stop serving; with a `state_dir`, checkpoint unfinished work first.
-        HTTP requests in flight are answered first, their groups aborted."""
+        """Stop serving; with a `state_dir`, journal unfinished work's partial
+        responses first. HTTP requests in flight are answered first, their
+        groups aborted."""
         if self.core:
             private = [gid for gid, g in self.core.groups.items() if g.listener is not None]
             if private:
@@ -184,8 +185,8 @@ class RolloutService:
             for name in ("", SERVICE_NAME):
                 await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
             await self._grpc.stop(grace)
-        if self.core and self.config.state_dir:
-            await self.core.checkpoint(self.config.state_dir)
+        if self.core:
+            await self.core.checkpoint()
         if self._http:
             await self._http.cleanup()
         if self.spec_runtime:

@@ -55,6 +55,12 @@ SLOW = {
         "~6 s: a real-time load-test run",
     "test_load_tests.py::test_predict_prices_a_verified_draft_token_as_one_more_sequence": "~5 s: load-test runs",
     "test_selftest.py::test_selftest_for_a_platform_this_machine_lacks_fails_naming_it": "~8 s: imports vLLM",
+    "test_crash_restart.py::test_chaos_five_sigkills_in_a_closed_loop_of_1000_groups_lose_and_repeat_nothing":
+        "~40-60 s: 1,000 groups, a server started six times as a subprocess",
+    "test_crash_restart.py::test_sigkill_with_state_dir_delivers_every_sample_once_under_its_cursor":
+        "~17 s: a server started three times as a subprocess",
+    "test_crash_restart.py::test_weights_after_a_restart_are_the_last_pushed_or_the_version_really_served":
+        "~17 s: a server started three times as a subprocess",
 }
 
 

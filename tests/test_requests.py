@@ -68,18 +68,17 @@ def test_running_assigned_and_engine_ids_agree_through_start_preempt_migrate_dro
     run_virtual(main())
 
 
-def test_a_checkpoint_snapshot_resumes_every_open_group_in_a_new_core(tmp_path):
-    from rollout_service.core import checkpoint
-
+def test_a_graceful_stop_journals_partials_and_a_new_core_resumes_every_open_group(tmp_path):
     specs = [GroupSpec(f"g{i}", [1, 2, 3], 2, SamplingParams(max_tokens=10_000),
                        metadata={"sim.target_lengths": "2,400"}) for i in range(3)]
 
     async def first():
         core = RolloutCore([SimEngine("e0", SimParams(**FAST))], make_placement("least-assigned"), Clock())
+        assert not core.open_state(str(tmp_path), 0.002)
         await core.start()
         core.submit(specs)
         await asyncio.sleep(0.1)  # the short samples are delivered, the long ones part-way
-        await core.checkpoint(str(tmp_path))
+        await core.checkpoint()
         await core.stop()
         return core.snapshot()
 
@@ -90,8 +89,7 @@ def test_a_checkpoint_snapshot_resumes_every_open_group_in_a_new_core(tmp_path):
 
     async def second():
         core = RolloutCore([SimEngine("e0", SimParams(**FAST))], make_placement("least-assigned"), Clock())
-        snapshot = checkpoint.load(str(tmp_path))
-        core.restore_snapshot(snapshot)
+        assert core.open_state(str(tmp_path), 0.002)
         assert [r.request_id for r in core.queue] == sorted(partial) and core.knows("g0")
         await core.start()
         got = []

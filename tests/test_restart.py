@@ -46,7 +46,7 @@ async def test_sigterm_checkpoints_and_a_restarted_server_delivers_each_group_on
                 await asyncio.sleep(0.05)
             server.send_signal(signal.SIGTERM)
             assert await asyncio.to_thread(server.wait, 60) == 0, server.stderr.read()
-            assert (tmp_path / "state.json").exists()
+            assert (tmp_path / "journal.log").exists()
             server = _serve(grpc_port, http_port, tmp_path)  # same ports, same state
             await asyncio.wait_for(task, 120)
             status = await client.status()

@@ -268,21 +268,22 @@ def test_an_unknown_environment_is_refused_at_submit():
     run_virtual(main())
 
 
-def test_waiting_trajectories_survive_a_checkpoint_and_finish_after_the_restart(tmp_path):
+def test_waiting_trajectories_survive_a_restart_and_finish_after_it(tmp_path):
     async def first():
         core = RolloutCore(_engines(1), make_placement("least-assigned"), Clock())
+        core.open_state(str(tmp_path), 0.002)
         core.submit([_group("k", 1, [[8, 6]], max_turns=2)])
         await core.start()
         stream = core.delivery.stream("c").__aiter__()
         event = (await stream.__anext__()).sample
         core.delivery.ack("c", 1)
-        await core.checkpoint(str(tmp_path))
-        await core.stop()
+        await core.commit()
+        await core.stop()  # no checkpoint: the journal holds the waiting trajectory
         return event
 
     async def second(sample_id):
         core = RolloutCore(_engines(1), make_placement("least-assigned"), Clock())
-        assert core.restore(str(tmp_path))
+        assert core.open_state(str(tmp_path), 0.002)
         await core.start()
         assert core.continue_trajectory(sample_id, 0, [2] * 4)
         final = await _samples(core, 1)

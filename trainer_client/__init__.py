@@ -3,7 +3,7 @@
     from trainer_client import RolloutClient, PromptGroup      # asyncio
     from trainer_client import SyncRolloutClient               # plain Python
 """
-from trainer_client.client import RolloutClient
+from trainer_client.client import RolloutClient, ServiceRestarted
 from trainer_client.steps import StepRollout
 from trainer_client.sync import SyncRolloutClient
 from trainer_client.types import (
@@ -19,6 +19,6 @@ from trainer_client.types import (
     Turn,
 )
 
-__all__ = ["RolloutClient", "StepRollout", "SyncRolloutClient", "CompletedSample", "PromptGroup", "PushResult",
+__all__ = ["RolloutClient", "ServiceRestarted", "StepRollout", "SyncRolloutClient", "CompletedSample", "PromptGroup", "PushResult",
            "ServiceStatus", "EngineStatus", "SpecStatus", "SpecEngineStatus", "SpecDepthBucket",
            "MultiTurn", "Turn"]

@@ -23,6 +23,45 @@ Respond = Callable[[CompletedSample], Union[Observation, Awaitable[Observation]]
 
 log = logging.getLogger(__name__)
 
+INCARNATION_KEY = "rollout-incarnation"  # the stream's initial metadata
+
+
+class ServiceRestarted(Exception):
+    """The service restarted without its state (no `state_dir`, or it was
+    lost): its cursors start again and what it had not delivered is gone.
+    `group_ids` are the groups this client submitted and has not received
+    completely; submit them again (same ids) to have them generated.
+    Raised by the streams (and by `submit`) of a client created without
+    `resubmit_on_restart`."""
+
+    def __init__(self, address: str, old: str, new: str, group_ids: list[str]) -> None:
+        self.address, self.old_incarnation, self.new_incarnation = address, old, new
+        self.group_ids = group_ids
+        shown = ", ".join(group_ids[:10]) + (f", ... ({len(group_ids)} in all)" if len(group_ids) > 10 else "")
+        super().__init__(
+            f"the rollout service at {address} restarted without its state (incarnation {old} -> {new}): "
+            f"{len(group_ids)} group(s) submitted here were not received completely: [{shown}]; submit them "
+            f"again, or create the client with resubmit_on_restart=True")
+
+
+def _forget_cursors(pending: dict[str, list[CompletedSample]]) -> None:
+    """Zero the cursors of samples received before a restart (cursors of
+    another incarnation), so that no acknowledgement is computed from them."""
+    for samples in pending.values():
+        for s in samples:
+            s.cursor = 0
+
+
+class _Open:
+    """A group this client submitted and has not received completely."""
+
+    __slots__ = ("group", "batch_id", "received")
+
+    def __init__(self, group: pb.PromptGroup, batch_id: str) -> None:
+        self.group, self.batch_id = group, batch_id
+        self.received: set[int] = set()  # indices of the final samples yielded
+
+
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED}
 
 
@@ -67,7 +106,12 @@ class RolloutClient:
 
     Streams acknowledge what the caller has consumed and, after a broken
     connection, reconnect and resume after the last sample received, so a
-    consumer sees every sample once.
+    consumer sees every sample once. A service that restarted with its
+    `state_dir` is the same incarnation: the stream simply resumes. One that
+    lost its state is a new incarnation: the stream raises
+    `ServiceRestarted` naming the groups submitted here and not received
+    completely, or, with `resubmit_on_restart`, submits them again (same
+    ids) and goes on, never yielding a (group, index) it yielded before.
 
     Args:
         address: the service's gRPC "host:port".
@@ -79,6 +123,9 @@ class RolloutClient:
         token: bearer token for a service with `[auth]` tokens (never logged).
         tls_ca_file: PEM file of the CA that signed the service's
             certificate; TLS is used when it is set.
+        resubmit_on_restart: on a restart that lost the service's state,
+            submit this client's unfinished groups again instead of raising
+            `ServiceRestarted` (their samples already received are kept).
     """
 
     def __init__(
@@ -89,6 +136,7 @@ class RolloutClient:
         reconnect_timeout_s: float = 60.0,
         token: str | None = None,
         tls_ca_file: str | None = None,
+        resubmit_on_restart: bool = False,
     ) -> None:
         self.address = address
         self.consumer_id = consumer_id or f"consumer-{uuid.uuid4().hex[:8]}"
@@ -111,6 +159,10 @@ class RolloutClient:
         self._collective = None  # the collective transfer group joined (push_weights_collective)
         self.last_cursor = 0  # highest cursor received
         self.acked_cursor = 0
+        self.resubmit_on_restart = resubmit_on_restart
+        self.incarnation = ""  # of the service this client's cursors belong to
+        self._open: dict[str, _Open] = {}  # groups submitted here, not received completely
+        self._epoch = 0  # bumped when the service restarted and cursors started over
 
     async def __aenter__(self) -> "RolloutClient":
         return self
@@ -152,7 +204,47 @@ class RolloutClient:
         """
         request = pb.SubmitRequest(groups=[_group_pb(g) for g in groups], batch_id=batch_id)
         reply = await self._stub.Submit(request, metadata=self._md)
+        if reply.incarnation and self.incarnation and reply.incarnation != self.incarnation:
+            await self._restarted(reply.incarnation)
+        self.incarnation = self.incarnation or reply.incarnation
+        for group, gid in zip(request.groups, reply.group_ids):
+            if gid not in self._open:
+                group.group_id = gid
+                self._open[gid] = _Open(group, batch_id)
         return list(zip(reply.group_ids, reply.created))
+
+    async def _restarted(self, incarnation: str) -> None:
+        """The service is a new incarnation: raise ServiceRestarted, or
+        submit the unfinished groups again; cursors start over."""
+        old, lost = self.incarnation, list(self._open)
+        if not self.resubmit_on_restart:
+            raise ServiceRestarted(self.address, old, incarnation, lost)
+        log.warning("the service at %s restarted without its state (incarnation %s -> %s); submitting %d "
+                    "unfinished group(s) again", self.address, old, incarnation, len(lost))
+        batches: dict[str, list[pb.PromptGroup]] = {}
+        for entry in self._open.values():
+            batches.setdefault(entry.batch_id, []).append(entry.group)
+        for batch_id, groups in batches.items():
+            await self._stub.Submit(pb.SubmitRequest(groups=groups, batch_id=batch_id), metadata=self._md)
+        self.incarnation = incarnation
+        self.last_cursor = self.acked_cursor = 0
+        self._epoch += 1
+
+    def _received(self, event: pb.SampleEvent) -> bool | None:
+        """Account a final sample of a group submitted here: None if it was
+        yielded before (a group submitted again), else whether its group is
+        now complete. Samples of other groups keep the service's marker."""
+        entry = self._open.get(event.sample.group_id)
+        if entry is None or event.awaiting_observation:
+            return event.group_complete
+        index = event.sample.index
+        if index in entry.received:
+            return None
+        entry.received.add(index)
+        if len(entry.received) >= entry.group.num_samples:
+            del self._open[event.sample.group_id]
+            return True
+        return False
 
     async def stream(self, ack_every: int = 64, from_cursor: int | None = None) -> AsyncIterator[CompletedSample]:
         """Every completed sample, as it completes, in cursor order (and,
@@ -160,7 +252,10 @@ class RolloutClient:
         `awaiting_observation`, see `trajectory_groups`).
 
         A sample counts as consumed when the caller asks for the next one;
-        consumed samples are acknowledged every `ack_every` (and by `ack()`).
+        consumed samples are acknowledged every `ack_every` (and by `ack()`),
+        in the background: the stream goes on while the service makes the
+        ack durable (one ack in flight at a time; awaited when the stream
+        ends or reconnects, and its error, if any, raised by the stream).
         On a broken connection it reconnects and resumes after the last
         cursor received.
 
@@ -171,22 +266,44 @@ class RolloutClient:
         """
         cursor = self.last_cursor if from_cursor is None else from_cursor
         deadline = None
+        acking: asyncio.Task | None = None  # the ack in flight
+
+        async def settle() -> None:
+            nonlocal acking
+            if acking is not None:
+                task, acking = acking, None
+                await task
+
         while True:
             call = self._stub.StreamSamples(
                 pb.StreamSamplesRequest(consumer_id=self.consumer_id, from_cursor=cursor), metadata=self._md
             )
             try:
+                incarnation = dict(await call.initial_metadata() or ()).get(INCARNATION_KEY, "")
+                if incarnation and self.incarnation and incarnation != self.incarnation:
+                    await settle()
+                    await self._restarted(incarnation)  # raises, or submits again: cursors start over
+                    cursor = 0
+                    continue
+                self.incarnation = self.incarnation or incarnation
                 async for event in call:
                     deadline = None
                     if event.cursor <= cursor:
                         continue  # already seen (re-delivery after a reconnect)
                     cursor = self.last_cursor = event.cursor
-                    yield CompletedSample.from_pb(event.sample, event.cursor, event.group_complete,
+                    complete = self._received(event)
+                    if complete is None:
+                        continue  # yielded before the service restarted
+                    yield CompletedSample.from_pb(event.sample, event.cursor, complete,
                                                   event.awaiting_observation)
-                    if cursor - self.acked_cursor >= ack_every:
-                        await self.ack(cursor)
+                    if acking is not None and acking.done():
+                        await settle()  # raises what it raised
+                    if acking is None and cursor - self.acked_cursor >= ack_every:
+                        acking = asyncio.ensure_future(self.ack(cursor))
+                await settle()
                 return
             except grpc.aio.AioRpcError as exc:
+                await settle()
                 if exc.code() not in _RETRYABLE:
                     raise
                 loop = asyncio.get_running_loop()
@@ -197,6 +314,11 @@ class RolloutClient:
                 await asyncio.sleep(0.5)
             finally:
                 call.cancel()
+                if acking is not None:  # the caller stopped asking, or the stream raised: the ack lands first
+                    try:
+                        await settle()
+                    except grpc.aio.AioRpcError as exc:
+                        log.warning("ack of cursor %d failed as the stream ended: %s", cursor, exc.code().name)
 
     async def groups(self, ack: bool = True) -> AsyncIterator[list[CompletedSample]]:
         """Complete GRPO groups (samples ordered by index), as they complete.
@@ -208,7 +330,11 @@ class RolloutClient:
             ack: acknowledge consumed groups (False: the caller calls `ack()`).
         """
         pending: dict[str, list[CompletedSample]] = {}
+        epoch = self._epoch
         async for sample in self.stream(ack_every=1 << 62):
+            if epoch != self._epoch:  # cursors of a service that restarted: they acknowledge nothing now
+                _forget_cursors(pending)
+                epoch = self._epoch
             if sample.awaiting_observation:
                 continue
             pending.setdefault(sample.group_id, []).append(sample)
@@ -271,8 +397,16 @@ class RolloutClient:
                 if not failure.done():
                     failure.set_exception(exc)
 
+        epoch = self._epoch
+
         def held() -> int:
             """The highest cursor below everything still needed here."""
+            nonlocal epoch
+            if epoch != self._epoch:  # cursors of a service that restarted acknowledge nothing now
+                _forget_cursors(pending)
+                for cursor in [c for c in answering if c > 0]:
+                    answering[-cursor] = answering.pop(cursor)
+                epoch = self._epoch
             cursors = [s[0].cursor for s in pending.values()] + [c for c, t in answering.items() if not t.done()]
             return min(cursors, default=self.last_cursor + 1) - 1
 
@@ -361,6 +495,9 @@ class RolloutClient:
     async def ack(self, cursor: int | None = None) -> int:
         """Acknowledge every sample up to `cursor` (default: all received);
         returns the cursor acknowledged. The service may then forget them.
+        While the service is unreachable (restarting) the ack is skipped,
+        logged, and covered by the next one: what it would have acknowledged
+        is re-delivered and skipped by the streams.
 
         Args:
             cursor: the highest cursor consumed.
@@ -368,7 +505,14 @@ class RolloutClient:
         cursor = self.last_cursor if cursor is None else cursor
         if cursor <= self.acked_cursor:
             return self.acked_cursor
-        reply = await self._stub.Ack(pb.AckRequest(consumer_id=self.consumer_id, cursor=cursor), metadata=self._md)
+        try:
+            reply = await self._stub.Ack(pb.AckRequest(consumer_id=self.consumer_id, cursor=cursor),
+                                         metadata=self._md)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() not in _RETRYABLE:
+                raise
+            log.warning("ack of cursor %d not delivered (%s); the next ack covers it", cursor, exc.code().name)
+            return self.acked_cursor
         self.acked_cursor = max(self.acked_cursor, reply.acked_cursor)
         return self.acked_cursor
 
@@ -387,6 +531,9 @@ class RolloutClient:
         """
         request = pb.AbortRequest(group_ids=list(group_ids), batch_id=batch_id, all=all, keep_partial=keep_partial)
         reply = await self._stub.Abort(request, metadata=self._md)
+        for gid in [g for g, e in self._open.items() if all or g in request.group_ids or
+                    (batch_id and e.batch_id == batch_id)]:
+            del self._open[gid]
         return reply.aborted_groups, [CompletedSample.from_pb(s) for s in reply.partial_samples]
 
     # -- weights -------------------------------------------------------------------

@@ -305,7 +305,8 @@ class ServiceStatus:
     last sample delivered; `retained_samples` are kept for consumers that
     have not acknowledged them. `counters` by name (samples_completed,
     tokens_generated, ...); `uptime_s` in seconds; `spec` is None when the
-    engines do not speculate."""
+    engines do not speculate; `incarnation` is constant while the service's
+    state_dir survives (see ServiceRestarted)."""
 
     policy_version: int
     model: str
@@ -319,6 +320,7 @@ class ServiceStatus:
     uptime_s: float
     counters: dict[str, int] = field(default_factory=dict)
     spec: SpecStatus | None = None
+    incarnation: str = ""
 
     @classmethod
     def from_pb(cls, st) -> "ServiceStatus":
@@ -328,5 +330,5 @@ class ServiceStatus:
             running_requests=st.running_requests, open_groups=st.open_groups, last_cursor=st.last_cursor,
             retained_samples=st.retained_samples, uptime_s=st.uptime_s,
             counters={k: round(v) for k, v in st.counters.items()},  # whole counts, sent as doubles
-            spec=SpecStatus.from_pb(st.spec) if st.HasField("spec") else None,
+            spec=SpecStatus.from_pb(st.spec) if st.HasField("spec") else None, incarnation=st.incarnation,
         )

@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+INCARNATION_KEY = "rollout-incarnation"  # the stream's initial metadata: the service's incarnation
+
 _CORE_CODES = {
     "invalid": grpc.StatusCode.INVALID_ARGUMENT,
     "not_found": grpc.StatusCode.NOT_FOUND,
@@ -70,13 +72,19 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             results = self.core.submit(specs)
         except (FieldError, TooLarge, CoreError) as exc:
             await _fail(context, exc)
-        return pb.SubmitResponse(group_ids=[g for g, _ in results], created=[c for _, c in results])
+        await self.core.commit()  # with a state_dir: the groups are journaled before the reply
+        return pb.SubmitResponse(group_ids=[g for g, _ in results], created=[c for _, c in results],
+                                 incarnation=self.core.incarnation)
 
     async def StreamSamples(self, request: pb.StreamSamplesRequest, context):
         try:
             consumer = validation.consumer_id("consumer_id", request.consumer_id)
         except FieldError as exc:
             await _fail(context, exc)
+        incarnation = self.core.incarnation
+        # Before any event: a client that reconnects learns at once whether
+        # this is the service its cursors belong to.
+        await context.send_initial_metadata(((INCARNATION_KEY, incarnation),))
         try:
             async for entry in self.core.delivery.stream(consumer, request.from_cursor):
                 yield pb.SampleEvent(
@@ -84,6 +92,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                     sample=convert.sample_to_pb(entry.sample),
                     group_complete=entry.group_complete,
                     awaiting_observation=entry.sample.awaiting_observation,
+                    incarnation=incarnation,
                 )
         except CoreError as exc:  # fallen behind its acks, or dropped as silent
             await _fail(context, exc)
@@ -93,7 +102,9 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             consumer = validation.consumer_id("consumer_id", request.consumer_id)
         except FieldError as exc:
             await _fail(context, exc)
-        return pb.AckResponse(acked_cursor=self.core.delivery.ack(consumer, request.cursor))
+        acked = self.core.delivery.ack(consumer, request.cursor)
+        await self.core.commit()  # with a state_dir: journaled before the reply
+        return pb.AckResponse(acked_cursor=acked)
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         try:
@@ -144,7 +155,9 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
 
     async def GetStatus(self, request: pb.StatusRequest, context) -> pb.StatusResponse:
         spec = self.spec_runtime.status() if self.spec_runtime is not None else None
-        return convert.status_to_pb(self.core.status(), self.model_name, spec)
+        reply = convert.status_to_pb(self.core.status(), self.model_name, spec)
+        reply.incarnation = self.core.incarnation
+        return reply
 
     async def PushWeights(self, request_iterator, context) -> pb.PushWeightsResponse:
         """Receive, verify and stage a push, then apply it (api/weights_receiver.py)."""

@@ -6,6 +6,10 @@ cursor it asks to resume from); what it has not acknowledged is delivered
 again when it reconnects (at-least-once on the wire, exactly-once for a
 consumer that acknowledges and resumes from the last cursor it saw).
 
+With a journal (core/durable.py) a sample is appended when it completes but
+streamed only once it is durable: `publish(cursor)` makes everything up to
+`cursor` visible (without one, `append` publishes at once).
+
 Memory stays bounded: an entry is dropped once every live consumer has
 acknowledged it. A consumer is live while one of its streams waits for new
 samples (it has everything), or for `consumer_ttl_s` after it was last
@@ -58,8 +62,11 @@ class DeliveryLog:
         self._entries: list[Entry] = []
         self._head = 0
         self._last = 0
+        self._visible = 0  # streams see cursors up to this one
         self._consumers: dict[str, Consumer] = {}
         self._changed = asyncio.Event()
+        # Called with (consumer id, acked cursor) when an ack moves a cursor (the journal).
+        self.on_ack: Callable[[str, int], object] | None = None
 
     @property
     def last_cursor(self) -> int:
@@ -69,12 +76,25 @@ class DeliveryLog:
     def retained(self) -> int:
         return len(self._entries) - self._head
 
-    def append(self, sample: Sample, group_complete: bool) -> int:
+    @property
+    def visible_cursor(self) -> int:
+        return self._visible
+
+    def append(self, sample: Sample, group_complete: bool, publish: bool = True) -> int:
+        """Log a sample under the next cursor; visible to streams now, or
+        (publish=False) once `publish` reaches its cursor."""
         self._last += 1
         self._entries.append(Entry(self._last, sample, group_complete))
-        self._wake()
+        if publish:
+            self.publish(self._last)
         self.maybe_prune()
         return self._last
+
+    def publish(self, cursor: int) -> None:
+        """Make the entries up to `cursor` visible to streams."""
+        if cursor > self._visible:
+            self._visible = min(cursor, self._last)
+            self._wake()
 
     def entries(self) -> list[Entry]:
         """The retained entries, in cursor order."""
@@ -87,10 +107,12 @@ class DeliveryLog:
         """Load a saved log (cursors kept) into an empty one."""
         self._entries = [Entry(c, s, g) for c, s, g in entries]
         self._head = 0
-        self._last = last_cursor
+        self._last = self._visible = last_cursor
         for c in consumers:
             c.last_seen = self._now()
             self._consumers[c.consumer_id] = c
+        if consumers:
+            self._prune()
 
     def _wake(self) -> None:
         # A broadcast: every stream waiting on the old event wakes; later waits use a fresh one.
@@ -107,10 +129,12 @@ class DeliveryLog:
         return c
 
     def ack(self, consumer_id: str, cursor: int) -> int:
-        """Acknowledge up to `cursor` (clamped to the last cursor); returns the acked cursor."""
+        """Acknowledge up to `cursor` (clamped to the last visible cursor); returns the acked cursor."""
         c = self.consumer(consumer_id)
-        acked = max(c.acked, min(cursor, self._last))
+        acked = max(c.acked, min(cursor, self._visible))
         if acked > c.acked:
+            if self.on_ack is not None:
+                self.on_ack(consumer_id, acked)
             c.acked = acked
             self._wake()  # a stream held at max_unacked_samples may go on
         self._prune()
@@ -139,9 +163,14 @@ class DeliveryLog:
             self._head = 0
 
     def _after(self, cursor: int) -> list[Entry]:
-        """The entries above `cursor`, at most max_unacked_samples of them."""
+        """The visible entries above `cursor`, at most max_unacked_samples of them."""
+        if cursor >= self._visible:
+            return []
         i = bisect.bisect_right(self._entries, cursor, lo=self._head, key=lambda e: e.cursor)
-        return self._entries[i : i + self._max_unacked]
+        j = i + self._max_unacked
+        if self._visible != self._last:
+            j = min(j, bisect.bisect_right(self._entries, self._visible, lo=i, key=lambda e: e.cursor))
+        return self._entries[i:j]
 
     async def stream(self, consumer_id: str, from_cursor: int = 0) -> AsyncIterator[Entry]:
         """Yield entries above max(acked, from_cursor), then new ones as they

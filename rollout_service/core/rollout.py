@@ -12,6 +12,10 @@ A multi-turn group's samples are trajectories (see core/trajectories.py):
 a finished turn waits for an observation (from the trainer or an
 environment), which is appended and the next turn queued at the head, on
 the engine that holds its prefix when it has room.
+
+With a `state_dir` (core/durable.py) every Submit, completed sample, ack,
+abort, trajectory turn and live weight version is journaled before it is
+visible, so a restart after a crash resumes where the journal ends.
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ import logging
 import uuid
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Iterable, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Awaitable, Callable, Iterable, Mapping, Protocol, Sequence
 
 from rollout_service.core.clock import Clock
 from rollout_service.core.delivery import DeliveryLog
@@ -54,6 +58,9 @@ from rollout_service.scheduling.affinity import Sessions, SlotWait, place_affine
 from rollout_service.scheduling.cost_model import CostModel
 from rollout_service.scheduling.placement import LoadView, Placement
 from rollout_service.scheduling.rebalancer import Move, RebalanceConfig
+
+if TYPE_CHECKING:
+    from rollout_service.core.durable import DurableState
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +141,11 @@ class RolloutCore:
         # serves everywhere (e.g. the drafter trainer distilling from the policy).
         self.weight_taps = self.weight_sync.taps
         self.trajectories = Trajectories(self, dict(environments or {}), self.limits.observation_timeout_s)
+        # The journal under state_dir (`open_state`); None: nothing survives a restart.
+        self.durable: "DurableState | None" = None
+        # Constant while state_dir survives; new at every start without one.
+        self.incarnation = uuid.uuid4().hex[:16]
+        self._unpublished: deque[tuple[int, int]] = deque()  # (journal sequence, cursor) not yet durable
 
     # -- the parts, as attributes callers know -------------------------------------
 
@@ -192,6 +204,8 @@ class RolloutCore:
 
     async def start(self) -> None:
         self.started_at = self.clock.now()
+        if self.durable is not None:
+            self.durable.journal.start()
         await self.fleet.start()
         # Restored from a checkpoint: serve its policy version before any work.
         await self.weight_sync.apply_restored()
@@ -203,28 +217,60 @@ class RolloutCore:
         if self.rebalance is not None:
             self._tasks.spawn(self.rebalancing.loop(), name="rebalance")
 
-    async def checkpoint(self, state_dir: str) -> None:
-        """Stop dispatching, abort what runs (keeping partial responses) and
-        save the state for a restarted service (see core/checkpoint.py)."""
-        from rollout_service.core import checkpoint
-
+    async def checkpoint(self) -> None:
+        """Graceful shutdown with a state_dir: stop dispatching, abort what
+        runs (keeping partial responses) and compact the journal with them,
+        so a restart continues every partial response."""
+        if self.durable is None:
+            return
         await self._tasks.cancel_all()
         for req, _ in list(self.running.values()):
             await self.preempt(req)
         snapshot = self.snapshot()
-        path = await asyncio.to_thread(checkpoint.save, snapshot, state_dir)
-        log.info("saved %d open groups and %d undelivered samples to %s",
-                 len(snapshot.groups), len(snapshot.entries), path)
+        self.durable.compact(snapshot)
+        await self.durable.journal.commit()
+        log.info("saved %d open groups and %d unacknowledged samples to %s",
+                 len(snapshot.groups), len(snapshot.entries), self.durable.dir)
 
-    def restore(self, state_dir: str) -> bool:
-        """Load a checkpoint before start(); returns whether there was one."""
-        from rollout_service.core import checkpoint
+    def open_state(self, state_dir: str, commit_interval_s: float) -> bool:
+        """Before start(): open the journal in `state_dir` and restore what
+        it holds (JournalError for one this release cannot read); returns
+        whether it held state. The journal is rewritten as the restored
+        state, the incarnation kept."""
+        from rollout_service.core.durable import DurableState
 
-        snapshot = checkpoint.load(state_dir)
-        if snapshot is None:
-            return False
-        self.restore_snapshot(snapshot)
-        return True
+        durable = DurableState(state_dir, commit_interval_s)
+        snapshot = durable.open()
+        if snapshot is not None:
+            self.restore_snapshot(snapshot)
+        self.incarnation = durable.incarnation
+        durable.rewrite_now(self.snapshot())
+        durable.journal.on_durable.append(self._durable_upto)
+        self.delivery.on_ack = durable.record_ack
+        self.weight_sync.store = durable
+        self.durable = durable
+        return snapshot is not None
+
+    async def commit(self) -> None:
+        """Wait until everything recorded so far is durable (no-op without a state_dir)."""
+        if self.durable is not None:
+            await self.durable.journal.commit()
+
+    def _durable_upto(self, seq: int) -> None:
+        """The journal made records up to `seq` durable: publish their samples,
+        and compact the journal when it has grown enough."""
+        cursor = 0
+        while self._unpublished and self._unpublished[0][0] <= seq:
+            cursor = self._unpublished.popleft()[1]
+        if cursor:
+            self.delivery.publish(cursor)
+        if self.durable.due():
+            self.durable.compact(self.snapshot())
+
+    def record_progress(self, req: Request) -> None:
+        """Journal a trajectory's state at a turn boundary (TrajectoryOps)."""
+        if self.durable is not None and req.group.listener is None:
+            self.durable.record_request(req)
 
     def snapshot(self) -> CoreSnapshot:
         """The core's state (take it with nothing running: see `checkpoint`).
@@ -256,18 +302,22 @@ class RolloutCore:
         self.weight_sync.restored = snapshot.weights
 
     async def stop(self) -> None:
-        """Stop every task the core started (awaited), then close the engines."""
+        """Stop every task the core started (awaited), then close the engines
+        (and the journal, everything recorded written)."""
         await self._tasks.cancel_all()
         await self._runners.cancel_all()
         await self.trajectories.stop()
         await self.collective.close()
         await self.fleet.close()
+        if self.durable is not None:
+            await self.durable.journal.close()
 
     # -- submit ----------------------------------------------------------------
 
-    def submit(self, specs: list[GroupSpec]) -> list[tuple[str, bool]]:
+    def submit(self, specs: list[GroupSpec], private: bool = False) -> list[tuple[str, bool]]:
         """Enqueue groups; returns (group_id, created) per spec. A known
-        group id is not created again (idempotent retries)."""
+        group id is not created again (idempotent retries). Journaled
+        unless `private` (durable once `commit()` returns)."""
         new = sum(s.num_samples for s in specs if not self.knows(s.group_id))
         self.delivery.maybe_prune()
         running = len(self.queue) + len(self.requests)
@@ -298,6 +348,8 @@ class RolloutCore:
                 group.requests.append(req)
                 self.queue.append(req)
             self.groups[spec.group_id] = group
+            if self.durable is not None and not private:
+                self.durable.record_submit(group)
             self.counters["groups_submitted"] += 1
             self.counters["samples_submitted"] += spec.num_samples
             out.append((spec.group_id, True))
@@ -308,7 +360,7 @@ class RolloutCore:
         """Enqueue a group whose tokens and samples go to `group.listener`
         (not to the delivery log), for request/response front ends."""
         spec.group_id = spec.group_id or f"private-{uuid.uuid4().hex}"
-        self.submit([spec])
+        self.submit([spec], private=True)
         group = self.groups[spec.group_id]
         group.listener = asyncio.Queue()
         return group
@@ -500,8 +552,12 @@ class RolloutCore:
         delivery log (marking the group complete with its last sample)."""
         if group.listener is not None:
             group.listener.put_nowait(SampleEvent(sample))
-        else:
+        elif self.durable is None:
             self.delivery.append(sample, group.finished == group.spec.num_samples)
+        else:  # streamed once durable (`_durable_upto`)
+            complete = group.finished == group.spec.num_samples
+            cursor = self.delivery.append(sample, complete, publish=False)
+            self._unpublished.append((self.durable.record_sample(cursor, sample, complete), cursor))
 
     def _forget(self, group: Group) -> None:
         self.groups.pop(group.group_id, None)
@@ -570,6 +626,10 @@ class RolloutCore:
         request answers at once), and their samples are not returned."""
         targets = self.abort_targets(group_ids, batch_id, all_groups)
         partials: list[Sample] = []
+        if self.durable is not None:
+            journaled = [g.group_id for g in targets if g.listener is None]
+            if journaled:
+                self.durable.record_abort(journaled)
         self._unqueue(targets)  # once for all of them: a queue pass per group is quadratic
         for group in targets:
             samples = await self._give_up(group)

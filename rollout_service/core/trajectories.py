@@ -56,6 +56,7 @@ class TrajectoryOps(Protocol):
     def requeue(self, req: Request) -> None: ...
     def finish(self, req: Request, reason: FinishReason, drop_reason: str = "") -> None: ...
     def deliver(self, group: Group, sample: Sample) -> None: ...
+    def record_progress(self, req: Request) -> None: ...  # journal its state (a turn boundary)
     def guarded(self, what: str, req: Request, fn: Callable[..., Any], *args: Any) -> Any: ...
 
 
@@ -167,6 +168,7 @@ class Trajectories:
         req.awaiting = True
         req.affinity = engine_id
         self._wait(req, core.clock.now())
+        core.record_progress(req)
         if mt.environment:
             self._calls.spawn(self._call(req, req.epoch, req.turn_index - 1), name=f"env-{req.request_id}")
             return
@@ -284,6 +286,7 @@ class Trajectories:
             return
         now = core.clock.now()
         req.append_observation(list(observation), tool_s, now)
+        core.record_progress(req)
         core.counters["observations_appended"] += 1
         core.counters["observation_tokens"] += len(observation)
         core.requeue(req)  # at the head: warm trajectories first

@@ -34,6 +34,13 @@ class WorkOps(Protocol):
     async def give_up(self, group: Group, reason: str) -> None: ...
 
 
+class WeightStore(Protocol):
+    """Where live versions' weights are kept across restarts (core/durable.py)."""
+
+    def write_weights(self, version: int, weights: StagedWeights | None) -> str | None: ...
+    async def record_weights(self, version: int, file: str | None) -> None: ...
+
+
 def _release(box: list[StagedWeights]) -> None:
     """Clean up the one StagedWeights in `box`, and drop it here (in this
     thread) with its file mapping."""
@@ -51,6 +58,9 @@ class WeightSync:
         self.lock = asyncio.Lock()
         self.last: StagedWeights | None = None  # applied last; kept staged for restarted engines
         self.restored: StagedWeights | None = None  # from a checkpoint, applied at start
+        # Keeps each live version's weights (state_dir); a version is recorded
+        # there, with its weights written, before it serves.
+        self.store: WeightStore | None = None
         # Awaited with (version, its staged copy or None) once a version serves
         # everywhere, before the next push can release that copy.
         self.taps: list[Callable[[int, StagedWeights | None], Awaitable[None]]] = []
@@ -130,6 +140,8 @@ class WeightSync:
             # An engine that is down (a dead Ray node may stay down for long)
             # does not block training: its restart applies these weights.
             live = self.fleet.live()
+            # Written to state_dir while the engines load them.
+            keeping = asyncio.ensure_future(self._keep(version, weights)) if self.store is not None else None
             try:
                 results = await asyncio.gather(*(e.update_weights(version, weights) for e in live),
                                                return_exceptions=True)
@@ -139,10 +151,13 @@ class WeightSync:
                     await self._roll_back([e for e, r in zip(live, results) if not isinstance(r, BaseException)])
                     raise failed[0]
             except BaseException:
+                if keeping is not None:
+                    await asyncio.gather(keeping, return_exceptions=True)
                 weights.cleanup()
                 work.requeue_front([r for r in plan.preempt if r.engine_id is None])
                 raise
-            return await self._live(version, weights, t0, plan, unfinished, work)
+            file = await keeping if keeping is not None else None
+            return await self._live(version, weights, t0, plan, unfinished, work, file)
 
     async def update_received(self, version: int, work: WorkOps, accepted: Callable[[], Awaitable[None]],
                               receive: Callable[[], Awaitable[StagedWeights | None]],
@@ -171,7 +186,8 @@ class WeightSync:
                 raise
             # Without a staged copy a restarted engine serves the model's own
             # weights (tagged version 0) until the next push.
-            return await self._live(version, staged, t0, plan, unfinished, work)
+            file = await self._keep(version, staged) if self.store is not None else None
+            return await self._live(version, staged, t0, plan, unfinished, work, file)
 
     async def _plan(self, version: int, work: WorkOps) -> tuple[list[Request], CarryPlan]:
         """Under the lock, before any byte is applied: check the version,
@@ -183,10 +199,25 @@ class WeightSync:
             await work.preempt(req)
         return unfinished, plan
 
+    async def _keep(self, version: int, weights: StagedWeights | None) -> str | None:
+        """Write a version's weights to the store; None when they cannot be
+        kept (a restart then serves, and reports, the model's own weights)."""
+        try:
+            return await asyncio.to_thread(self.store.write_weights, version, weights)
+        except Exception:
+            log.exception("cannot keep the weights of version %d in state_dir; a restart will serve the "
+                          "model's own weights (version 0)", version)
+            return None
+
     async def _live(self, version: int, staged: StagedWeights | None, t0: float, plan: CarryPlan,
-                    unfinished: list[Request], work: WorkOps) -> int:
-        """`version` serves on every engine: keep its staged copy for
-        restarted engines, free the previous one, carry the work over."""
+                    unfinished: list[Request], work: WorkOps, file: str | None = None) -> int:
+        """`version` serves on every engine: record it in the store, keep its
+        staged copy for restarted engines, free the previous one, carry the
+        work over."""
+        if self.store is not None:
+            # Durable before the push returns: a crash before this restarts
+            # on the previous version, whose weights are still kept.
+            await self.store.record_weights(version, file)
         previous, self.last = [self.last], staged
         if previous[0] is not None:
             # Off the event loop: freeing a GB-size file's pages (its
