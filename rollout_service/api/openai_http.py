@@ -195,7 +195,7 @@ class OpenAIFrontEnd:
             body = await request.json()
         except web.HTTPRequestEntityTooLarge:
             raise BadRequest("body", f"must be at most {MAX_BODY_BYTES} bytes, got {request.content_length}") from None
-        except ValueError:  # not JSON, not UTF-8, or a number past Python's digit limit
+        except (ValueError, RecursionError):  # not JSON or UTF-8, a number past Python's digit limit, too deep
             raise BadRequest("body", "must be a JSON object") from None
         if not isinstance(body, dict):
             raise BadRequest("body", "must be a JSON object")

@@ -212,8 +212,8 @@ async def _read_file(path: str) -> tuple[list[TensorSpec], memoryview]:
         return await asyncio.to_thread(read_safetensors, path)
     except ManifestError:
         raise
-    except (FileNotFoundError, IsADirectoryError, PermissionError) as exc:
-        raise FieldError("header.file_path", f"cannot read {path!r}: {exc.strerror}") from None
+    except OSError as exc:  # missing, a directory, not permitted, a name too long, ...
+        raise FieldError("header.file_path", f"cannot read {path[:300]!r}: {exc.strerror or type(exc).__name__}") from None
     except (ValueError, KeyError, IndexError, TypeError, struct.error, json.JSONDecodeError) as exc:
         raise FieldError("header.file_path", f"{path!r} is not a safetensors file ({exc})") from None
 
