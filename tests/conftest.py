@@ -44,6 +44,14 @@ RAY_FIXTURES = frozenset({"ray_cluster"})
 # of theirs saying so: what each costs here, and why.
 SLOW = {
     "test_tiny_model.py::test_sampled_batch_pass_rate_and_long_tail": "~12 s: a batch sampled with transformers",
+    "test_fuzz_routes.py::test_every_rpc_answers_random_and_oversized_values_with_a_status_naming_them":
+        "~25 s: 500 random calls",
+    "test_fuzz_routes.py::test_every_http_route_answers_random_and_oversized_values_without_a_500":
+        "~15 s: 300 random requests",
+    "test_memory_bounds.py::test_100k_abandoned_trajectories_end_at_their_deadline_and_memory_stays_flat":
+        "~1-2 min: 100,000 trajectories through a server subprocess",
+    "test_memory_bounds.py::test_1000_consumers_that_vanish_mid_stream_stop_pinning_samples_and_memory_stays_flat":
+        "~1-2 min: 5 rounds of 1,000 vanishing streams and 20,000 samples",
     "test_restart.py::test_sigterm_checkpoints_and_a_restarted_server_delivers_each_group_once":
         "~10 s: a server started twice as a subprocess",
     "test_nothing_hangs.py::test_after_an_abort_and_with_a_request_in_flight_sigterm_stops_promptly":

@@ -244,7 +244,7 @@ class OpenAIFrontEnd:
     def parse_raw(self, raw: bytes) -> dict:
         try:
             body = json.loads(raw)
-        except ValueError:  # not JSON, not UTF-8, or a number past Python's digit limit
+        except (ValueError, RecursionError):  # not JSON or UTF-8, a number past Python's digit limit, too deep
             raise BadRequest("body", "must be a JSON object") from None
         if not isinstance(body, dict):
             raise BadRequest("body", "must be a JSON object")

@@ -22,7 +22,9 @@ import asyncio
 import collections
 import contextlib
 import errno
+import json
 import os
+import struct
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterable, Awaitable, Callable
@@ -251,9 +253,14 @@ class WeightsReceiver:
             future.add_done_callback(_close_late)
             raise PushStalled(f"header.file_path: {given!r} not read within {self.push_idle_timeout_s:g} s "
                               "(push_idle_timeout_s): push abandoned, the serving version is unchanged") from None
-        except OSError as exc:
-            why = "it is a symlink swapped in after it was resolved" if exc.errno == errno.ELOOP else exc.strerror
-            raise FieldError("header.file_path", f"cannot read {given!r}: {why}") from None
+        except ManifestError:
+            raise
+        except OSError as exc:  # missing, a directory, not permitted, a name too long, ...
+            why = ("it is a symlink swapped in after it was resolved" if exc.errno == errno.ELOOP
+                   else exc.strerror or type(exc).__name__)
+            raise FieldError("header.file_path", f"cannot read {given[:300]!r}: {why}") from None
+        except (ValueError, KeyError, IndexError, TypeError, struct.error, json.JSONDecodeError) as exc:
+            raise FieldError("header.file_path", f"{given[:300]!r} is not a safetensors file ({exc})") from None
 
 
 def _close_late(future: asyncio.Future) -> None:
