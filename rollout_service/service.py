@@ -125,6 +125,7 @@ class RolloutService:
                 # stops answering pings: its connection, and its streams, end.
                 ("grpc.keepalive_time_ms", int(cfg.keepalive_s * 1000)),
                 ("grpc.keepalive_timeout_ms", int(cfg.keepalive_timeout_s * 1000)),
+                ("grpc.http2.ping_timeout_ms", int(cfg.keepalive_timeout_s * 1000)),  # (gRPC >= 1.6x reads this one)
                 ("grpc.keepalive_permit_without_calls", 1),
                 ("grpc.http2.max_pings_without_data", 0),
             ]

@@ -144,3 +144,24 @@ async def test_readyz_tells_a_caller_without_a_token_up_or_down_without_error_te
         async with s.get(url) as r:
             body = await r.text()
             assert r.status == 503 and '"ready": false' in body and "/srv" not in body and "KeyError" not in body
+
+
+async def test_a_consumer_that_connects_after_many_acknowledged_samples_is_not_held_at_the_bound():
+    cfg = sim_config(num_engines=1)
+    cfg.max_unacked_samples, cfg.unacked_wait_s = 8, 1.0
+    async with running(cfg) as service, RolloutClient(f"127.0.0.1:{service.grpc_port}", consumer_id="a") as a:
+        received = []
+
+        async def read(client, n):
+            async for s in client.stream(ack_every=4):
+                received.append(s)
+                if len(received) == n:
+                    return
+
+        await a.submit([PromptGroup(prompt_token_ids=[1, 5], num_samples=20, max_tokens=4)])
+        await asyncio.wait_for(read(a, 20), 30)
+        await a.ack()
+        async with RolloutClient(f"127.0.0.1:{service.grpc_port}", consumer_id="late") as late:
+            gid = unique("late")
+            await late.submit([PromptGroup(prompt_token_ids=[1, 5], num_samples=2, max_tokens=4, group_id=gid)])
+            assert [s.cursor for s in await collect(late, gid, 2, timeout=10)] == [21, 22]

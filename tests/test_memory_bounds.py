@@ -130,6 +130,12 @@ def test_1000_consumers_that_vanish_mid_stream_stop_pinning_samples_and_memory_s
                     line = await asyncio.wait_for(asyncio.to_thread(gone.stdout.readline), 60)
                     assert line.strip() == "ready"
                     os.kill(gone.pid, signal.SIGSTOP)  # vanished: its connections stay open, unanswered
+                    # Keepalives close the frozen client's connections (its side waits to close them), and
+                    # with them its 1,000 streams: idle, they would keep their consumers live.
+                    conns = lambda: [c for c in psutil.Process(gone.pid).net_connections("tcp") if c.raddr
+                                     and c.raddr.port == port]
+                    await wait_until(lambda: conns() and all(c.status == psutil.CONN_CLOSE_WAIT for c in conns()),
+                                     30, "keepalives to close the vanished client's connections")
                     groups = [PromptGroup(prompt_token_ids=[1, 5, 9] * 20, num_samples=16, max_tokens=16,
                                           group_id=f"r{r}-{g}") for g in range(1250)]
                     for i in range(0, len(groups), 1000):
@@ -140,12 +146,7 @@ def test_1000_consumers_that_vanish_mid_stream_stop_pinning_samples_and_memory_s
                         if got == 1 + 20_000:
                             break
                     await trainer.ack()
-                    # Keepalives closed the frozen client's connections (its side waits to close them)...
-                    conns = lambda: [c for c in psutil.Process(gone.pid).connections("tcp") if c.raddr
-                                     and c.raddr.port == port]
-                    await wait_until(lambda: conns() and all(c.status == psutil.CONN_CLOSE_WAIT for c in conns()),
-                                     30, "keepalives to close the vanished client's connections")
-                    # ...and its 1,000 consumers no longer pin what the trainer acknowledged.
+                    # Its 1,000 consumers no longer pin what the trainer acknowledged.
                     await wait_until(lambda: _retained(trainer), 30, "the delivery log to empty")
                 finally:
                     gone.kill()

@@ -124,7 +124,8 @@ class DeliveryLog:
         if c is None:
             # A new consumer starts after what every consumer has acknowledged
             # (those entries are gone) so it sees every retained sample.
-            c = self._consumers[consumer_id] = Consumer(consumer_id)
+            gone = self._entries[self._head].cursor - 1 if self.retained else self._last
+            c = self._consumers[consumer_id] = Consumer(consumer_id, acked=gone)
         c.last_seen = self._now()
         return c
 
