@@ -43,6 +43,12 @@ RAY_FIXTURES = frozenset({"ray_cluster"})
 # Tests on simulated engines (or none) that still take seconds, no fixture
 # of theirs saying so: what each costs here, and why.
 SLOW = {
+    "test_crash_restart.py::test_resubmit_on_restart_completes_the_groups_without_duplicates":
+        "~6 s: a server started twice as a subprocess",
+    "test_crash_restart.py::test_a_restart_without_state_dir_raises_service_restarted_naming_the_groups":
+        "~6 s: a server started twice as a subprocess",
+    "test_collective_sharded.py::test_every_rank_of_a_sharded_trainer_takes_part_and_learns_the_applied_version":
+        "~5 s: two trainer ranks with torch.distributed",
     "test_tiny_model.py::test_sampled_batch_pass_rate_and_long_tail": "~12 s: a batch sampled with transformers",
     "test_fuzz_routes.py::test_every_rpc_answers_random_and_oversized_values_with_a_status_naming_them":
         "~25 s: 500 random calls",
