@@ -474,10 +474,24 @@ class ContinueResponse(_message.Message):
     def __init__(self, applied: _Optional[bool] = ...) -> None: ...
 
 class WeightTransferPlanRequest(_message.Message):
-    __slots__ = ("backend",)
+    __slots__ = ("backend", "trainer_device")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_DEVICE_FIELD_NUMBER: _ClassVar[int]
     backend: str
-    def __init__(self, backend: _Optional[str] = ...) -> None: ...
+    trainer_device: TransferDevice
+    def __init__(self, backend: _Optional[str] = ..., trainer_device: _Optional[_Union[TransferDevice, _Mapping]] = ...) -> None: ...
+
+class TransferDevice(_message.Message):
+    __slots__ = ("host", "device", "uuid", "pci_bus_id")
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    UUID_FIELD_NUMBER: _ClassVar[int]
+    PCI_BUS_ID_FIELD_NUMBER: _ClassVar[int]
+    host: str
+    device: str
+    uuid: str
+    pci_bus_id: str
+    def __init__(self, host: _Optional[str] = ..., device: _Optional[str] = ..., uuid: _Optional[str] = ..., pci_bus_id: _Optional[str] = ...) -> None: ...
 
 class WeightTransferPlan(_message.Message):
     __slots__ = ("backend", "world_size", "engine_ids", "first_ranks", "stager_rank")
@@ -494,20 +508,22 @@ class WeightTransferPlan(_message.Message):
     def __init__(self, backend: _Optional[str] = ..., world_size: _Optional[int] = ..., engine_ids: _Optional[_Iterable[str]] = ..., first_ranks: _Optional[_Iterable[int]] = ..., stager_rank: _Optional[int] = ...) -> None: ...
 
 class InitWeightTransferRequest(_message.Message):
-    __slots__ = ("backend", "master_address", "master_port", "world_size", "timeout_s", "options_json")
+    __slots__ = ("backend", "master_address", "master_port", "world_size", "timeout_s", "options_json", "trainer_device")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     MASTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_JSON_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_DEVICE_FIELD_NUMBER: _ClassVar[int]
     backend: str
     master_address: str
     master_port: int
     world_size: int
     timeout_s: float
     options_json: str
-    def __init__(self, backend: _Optional[str] = ..., master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., timeout_s: _Optional[float] = ..., options_json: _Optional[str] = ...) -> None: ...
+    trainer_device: TransferDevice
+    def __init__(self, backend: _Optional[str] = ..., master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., timeout_s: _Optional[float] = ..., options_json: _Optional[str] = ..., trainer_device: _Optional[_Union[TransferDevice, _Mapping]] = ...) -> None: ...
 
 class CollectiveUpdateRequest(_message.Message):
     __slots__ = ("version", "tensors")
