@@ -10,6 +10,7 @@ import time
 import grpc
 
 from rollout_proto import rollout_pb2 as pb
+from rollout_proto.devices import RankDevice
 from rollout_proto.dtypes import DTYPE_SIZES
 from rollout_service.api.validation import FieldError
 from rollout_service.core.rollout import CoreError, RolloutCore
@@ -52,10 +53,22 @@ async def _abort(context, exc: Exception):
                         f"the collective push failed ({type(exc).__name__}: {exc}); the previous version serves")
 
 
+def _trainer_device(request) -> RankDevice | None:
+    if not request.HasField("trainer_device"):
+        return None
+    d = request.trainer_device
+    return RankDevice(d.host, d.device or "cpu", d.uuid, d.pci_bus_id)
+
+
 async def get_plan(core: RolloutCore, request: pb.WeightTransferPlanRequest, context) -> pb.WeightTransferPlan:
+    """The group's shape; refused if two of its ranks would share a GPU
+    (checked here too, so a trainer learns it before it opens any group)."""
     try:
-        return _plan_pb(core.collective.plan(_backend(core, request.backend)))
+        plan = core.collective.plan(_backend(core, request.backend))
+        await core.collective.check_devices(plan, _trainer_device(request))
+        return _plan_pb(plan)
     except CoreError as exc:
+        log.warning("collective transfer group refused: %s", exc)
         await _abort(context, exc)
 
 
@@ -86,7 +99,8 @@ async def init(core: RolloutCore, request: pb.InitWeightTransferRequest, context
         if mode not in ("chain", "broadcast"):
             raise FieldError("options_json", f"mode must be 'chain' or 'broadcast', got {mode!r}")
         plan = await core.collective.init(_backend(core, request.backend), request.master_address,
-                                          request.master_port, request.world_size, request.timeout_s or 60.0, options)
+                                          request.master_port, request.world_size, request.timeout_s or 60.0, options,
+                                          _trainer_device(request))
     except (FieldError, CoreError, EngineError) as exc:
         log.warning("collective transfer group refused: %s", exc)
         await _abort(context, exc)

@@ -12,7 +12,10 @@ A push (`push`): version and manifest checked (every tensor's name, dtype
 and shape, before a byte moves), then "accepted" (the trainer sends), every
 member receives into its model while the serving version stays, then every
 member makes the version live, and only then does any resume sampling with
-it. A push while another applies is refused (FAILED_PRECONDITION); a push
+it. A group with two ranks on one GPU (the trainer's and an engine
+worker's, or two workers') is refused before any rank joins (`check_devices`:
+NCCL would fail with "Duplicate GPU detected" once the group half formed).
+A push while another applies is refused (FAILED_PRECONDITION); a push
 that fails anywhere (a trainer that dies or stalls: the group's timeout)
 puts the previous weights back on every member, leaves the group, and the
 serving version stays.
@@ -24,6 +27,7 @@ import logging
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Mapping
 
+from rollout_proto.devices import RankDevice, shared_device
 from rollout_service.core.fleet import Fleet
 from rollout_service.core.weight_sync import WeightSync, WorkOps
 from rollout_service.engines.collective import Stager, TransferInit, specs_of
@@ -32,6 +36,7 @@ from rollout_service.lifecycle.types import CoreError
 log = logging.getLogger(__name__)
 
 BACKENDS = ("gloo", "nccl")
+DEVICE_REPORT_TIMEOUT_S = 30.0  # an engine's workers saying which GPU each uses
 
 
 @dataclass(frozen=True)
@@ -73,8 +78,29 @@ class CollectiveTransfer:
         stager = rank if self.stage and backend == "gloo" else -1
         return TransferPlan(backend, rank + (1 if stager >= 0 else 0), tuple(members), stager)
 
+    async def check_devices(self, plan: TransferPlan, trainer: RankDevice | None) -> None:
+        """Refuse the group (FAILED_PRECONDITION, naming both ranks and the
+        GPU) if two of its ranks are on one physical GPU: the trainer's
+        sending rank (as the trainer reports it) or any engine's workers (as
+        they report it, `transfer_devices`). Ranks on CPUs never conflict."""
+        ranks: list[tuple[int, str, RankDevice]] = [(0, "the trainer", trainer)] if trainer is not None else []
+        engines = self.fleet.engines
+
+        async def report(eid: str) -> list[RankDevice]:
+            return list(await asyncio.wait_for(engines[eid].transfer_devices(), DEVICE_REPORT_TIMEOUT_S))
+
+        reports = await asyncio.gather(*(report(eid) for eid, _, _ in plan.members), return_exceptions=True)
+        for (eid, first, n), devices in zip(plan.members, reports):
+            if isinstance(devices, BaseException):
+                raise CoreError("unavailable", f"engine {eid} did not say which GPUs its workers use "
+                                               f"({type(devices).__name__}: {devices}); try again")
+            ranks += [(first + i, f"engine {eid} worker {i}", d) for i, d in enumerate(devices[:n])]
+        why = shared_device(ranks)
+        if why is not None:
+            raise CoreError("failed_precondition", f"the transfer group cannot form: {why}")
+
     async def init(self, backend: str, address: str, port: int, world_size: int, timeout_s: float,
-                   options: Mapping[str, object]) -> TransferPlan:
+                   options: Mapping[str, object], trainer: RankDevice | None = None) -> TransferPlan:
         if self.pushing is not None:
             raise CoreError("failed_precondition", f"a collective push (version {self.pushing}) is being applied")
         async with self._init_lock:
@@ -82,6 +108,7 @@ class CollectiveTransfer:
             if world_size != plan.world_size:
                 raise CoreError("invalid", f"world_size: the group needs {plan.world_size} ranks (the trainer, "
                                            f"{plan.receivers} receiving), got {world_size}")
+            await self.check_devices(plan, trainer)
             await self.close()
             base = TransferInit(backend, address, int(port), plan.world_size, 0, timeout_s, dict(options))
             engines = self.fleet.engines

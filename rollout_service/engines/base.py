@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import AsyncIterator, Mapping, Protocol, runtime_checkable
 
+from rollout_proto.devices import RankDevice
 from rollout_service.engines.collective import TransferInit
 from rollout_service.engines.speculation import Speculation
 from rollout_service.engines.types import EngineDescription, EngineLoad, EngineRequest, PartialResponse, TokenDelta
@@ -64,6 +65,11 @@ class Engine(Protocol):
     def transfer_ranks(self) -> int:
         """Receiving ranks this engine holds in a collective weight transfer
         group (one per model worker); 0: it cannot join one."""
+
+    async def transfer_devices(self) -> list[RankDevice]:
+        """Where each receiving rank computes, in rank order (its GPU's
+        identity; a CPU rank has none), so that a group with two ranks on
+        one GPU is refused before it forms."""
 
     async def init_weight_transfer(self, init: TransferInit) -> None:
         """Join a trainer's transfer group at `init.rank_offset`; returns

@@ -198,6 +198,9 @@ class EngineHost:
     async def transfer_ranks(self, engine_id: str) -> int:
         return self.engines[engine_id].transfer_ranks()
 
+    async def transfer_devices(self, engine_id: str) -> list[dict]:
+        return [d.to_dict() for d in await self.engines[engine_id].transfer_devices()]
+
     async def init_weight_transfer(self, engine_id: str, init) -> None:
         await self.engines[engine_id].init_weight_transfer(init)
 

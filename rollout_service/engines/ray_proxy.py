@@ -18,6 +18,7 @@ import functools
 import logging
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Mapping
 
+from rollout_proto.devices import RankDevice
 from rollout_service.engines.base import Engine, EngineError
 from rollout_service.engines.ray_host import EngineHost, EventBatch, EventKind, WeightsApplied
 from rollout_service.engines.spec_monitor import SpecMonitor, SpecSnapshot
@@ -338,6 +339,9 @@ class RayEngine:
 
     def transfer_ranks(self) -> int:
         return self._ranks if self._state == EngineState.READY and self.host.alive else 0
+
+    async def transfer_devices(self) -> list[RankDevice]:
+        return [RankDevice.from_dict(d) for d in await self.host.call("transfer_devices", self.engine_id)]
 
     async def init_weight_transfer(self, init) -> None:
         await self.host.call("init_weight_transfer", self.engine_id, init)

@@ -81,6 +81,7 @@ from typing import AsyncIterator, Mapping
 
 import numpy as np
 
+from rollout_proto.devices import RankDevice, cpu_device, cuda_device
 from rollout_service.aio import cancel_and_wait
 from rollout_service.engines.types import (
     EngineDescription,
@@ -136,6 +137,9 @@ class SimParams:
     # acceptance, nearly free to propose, and no drafter to go stale.
     spec_ngram_acceptance: float | list = 0.5
     spec_ngram_draft_cost: float = 0.0
+    # The CUDA device this engine stands for (-1: none): what its receiving
+    # rank reports to a collective group's device check.
+    device: int = -1
 
     def acceptance_profile(self, k: int, lag: int = 0) -> list[float]:
         """P(draft token i is accepted), i = 1..k, for a drafter `lag`
@@ -395,6 +399,9 @@ class SimEngine:
 
     def transfer_ranks(self) -> int:
         return 1
+
+    async def transfer_devices(self) -> list[RankDevice]:
+        return [cuda_device(self.params.device) if self.params.device >= 0 else cpu_device()]
 
     async def init_weight_transfer(self, init: TransferInit) -> None:
         await self.close_weight_transfer()

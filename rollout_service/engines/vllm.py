@@ -49,6 +49,7 @@ from rollout_service.engines.types import (
 )
 from rollout_service.engines.weights import StagedWeights, checkpoint_manifest
 from rollout_service.engines.base import EngineError, WeightsRejected
+from rollout_proto.devices import RankDevice
 from rollout_service.engines.collective import TransferInit
 from rollout_service.engines.spec_config import SpecConfig, graph_depths
 from rollout_service.engines.vllm_args import engine_args, spawn_environment, uses_cuda_graphs
@@ -296,6 +297,11 @@ class VllmEngine:
         if not self._alive():
             raise EngineError(f"engine {self.engine_id} is not running")
         return list(await asyncio.wait_for(self._llm.collective_rpc("rollout_device"), self.update_timeout_s))
+
+    async def transfer_devices(self) -> list[RankDevice]:
+        """The device of each of this engine's receiving ranks (its workers,
+        in rank order) for a collective group's device check."""
+        return [RankDevice.from_dict(r) for r in await self.device_report()]
 
     def _shutdown_llm(self) -> None:
         llm, self._llm = self._llm, None

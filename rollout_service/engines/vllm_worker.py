@@ -163,12 +163,12 @@ class RolloutWorkerExtension:
 
     def rollout_device(self) -> dict:
         """Where this worker computes: its pid, `CUDA_VISIBLE_DEVICES`, the
-        model's device, that GPU's UUID ("" on a CPU) and the cores its
-        threads may run on."""
-        import torch
+        model's device, that GPU's identity (`rollout_proto.devices`: host,
+        UUID and PCI bus id; "" on a CPU) and the cores its threads may run on."""
+        from rollout_proto.devices import device_of
 
         device = next(self.model_runner.get_model().parameters()).device
-        uuid = str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else ""
+        where = device_of(device)
         cores = set()
         for task in os.listdir("/proc/self/task"):  # the OpenMP threads are bound, not the process
             try:
@@ -176,4 +176,4 @@ class RolloutWorkerExtension:
             except OSError:  # a thread that has exited
                 pass
         return {"pid": os.getpid(), "visible": os.environ.get("CUDA_VISIBLE_DEVICES", ""), "device": str(device),
-                "uuid": uuid, "cores": sorted(cores)}
+                "uuid": where.uuid, "host": where.host, "pci_bus_id": where.pci_bus_id, "cores": sorted(cores)}
