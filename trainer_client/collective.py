@@ -27,6 +27,7 @@ import grpc
 
 from rollout_proto import collective as wire
 from rollout_proto import rollout_pb2 as pb
+from rollout_proto.devices import RankDevice, trainer_device
 from rollout_proto.dtypes import DTYPE_SIZES
 from rollout_proto.gloo_trainer import GlooTrainerInitInfo, GlooTrainerWeightTransferEngine
 
@@ -69,6 +70,7 @@ class ServiceControl:
         self._call = None
         self.applied_version = 0
         self.seconds = 0.0
+        self.device: pb.TransferDevice | None = None  # the sending rank's, checked by the service
 
     def _run(self, coro, timeout: float | None = None):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
@@ -79,7 +81,8 @@ class ServiceControl:
         request = pb.InitWeightTransferRequest(
             backend=self.backend, master_address=init_info["master_address"],
             master_port=int(init_info["master_port"]), world_size=int(init_info["world_size"]),
-            timeout_s=float(init_info.get("timeout_s", self.timeout_s)), options_json=json.dumps(options))
+            timeout_s=float(init_info.get("timeout_s", self.timeout_s)), options_json=json.dumps(options),
+            trainer_device=self.device)
         async def init():
             await self._stub.InitWeightTransfer(request, metadata=self._md)
 
@@ -151,6 +154,10 @@ def init_info_for(plan: pb.WeightTransferPlan, address: str, port: int, timeout_
     raise ValueError(f"unknown backend {plan.backend!r}")
 
 
+def device_pb(device: RankDevice) -> pb.TransferDevice:
+    return pb.TransferDevice(host=device.host, device=device.device, uuid=device.uuid, pci_bus_id=device.pci_bus_id)
+
+
 def manifest_of(state_dict: Mapping[str, Any]) -> list[pb.TensorSpec]:
     out = []
     for name, t in state_dict.items():
@@ -181,11 +188,20 @@ class CollectiveGroup:
         self.plan: pb.WeightTransferPlan | None = None
 
     async def open(self) -> None:
+        """Learn the group's shape and join it. The service first checks
+        this rank's GPU against every engine worker's and refuses
+        (FAILED_PRECONDITION, naming both ranks and the GPU) before any
+        group or NCCL communicator exists on either side."""
         self.plan = await self._stub.GetWeightTransferPlan(
             pb.WeightTransferPlanRequest(backend=self.backend), metadata=self._md)
+        device = device_pb(await asyncio.to_thread(trainer_device, self.plan.backend))
+        if device.uuid or device.pci_bus_id:
+            self.plan = await self._stub.GetWeightTransferPlan(
+                pb.WeightTransferPlanRequest(backend=self.plan.backend, trainer_device=device), metadata=self._md)
         port = self.port or free_port(self.address)
         self.control = ServiceControl(self._stub, self._md, asyncio.get_running_loop(), self.plan.backend,
                                       self.timeout_s)
+        self.control.device = device
         info = init_info_for(self.plan, self.address, port, self.timeout_s, self.chunk_bytes, self.mode)
         self.engine = await asyncio.to_thread(trainer_engine, info, self.control, self.source)
 
