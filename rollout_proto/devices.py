@@ -56,7 +56,8 @@ def cuda_device(index: int) -> RankDevice:
     uuid = str(getattr(props, "uuid", "") or "")
     pci = ""
     if hasattr(props, "pci_bus_id"):
-        pci = f"{getattr(props, 'pci_domain_id', 0):04x}:{props.pci_bus_id:02x}:{getattr(props, 'pci_device_id', 0):02x}"
+        domain, device = getattr(props, "pci_domain_id", 0), getattr(props, "pci_device_id", 0)
+        pci = f"{domain:04x}:{props.pci_bus_id:02x}:{device:02x}"
     return RankDevice(socket.gethostname(), f"cuda:{index}", uuid, pci)
 
 
