@@ -136,6 +136,27 @@ async def test_speculation_of_an_engine_in_an_actor_is_declared_and_mirrored(ray
         await service.stop()
 
 
+async def test_sim_actors_report_their_devices_and_receive_a_collective_push(ray_cluster):
+    """Engines in actors say where their ranks compute through the actor
+    (the collective group's device check: CPU ranks, nothing to refuse) and
+    receive a gloo push there."""
+    import socket
+
+    import torch
+
+    service = RolloutService(ray_config(ray_cluster, kind="sim", num_engines=2, cpus=0.5, sim=dict(FAST_SIM)))
+    await service.start()
+    try:
+        (device,) = await service.core.engines["sim-0"].transfer_devices()
+        assert (device.device, device.key, device.host) == ("cpu", None, socket.gethostname())
+        async with RolloutClient(f"127.0.0.1:{service.grpc_port}", consumer_id=unique("rcoll")) as client:
+            reply = await client.push_weights_collective({"w": torch.ones(64, 64)}, 1, backend="gloo", timeout_s=30)
+        assert reply.applied_version == 1
+        assert all(e.load().policy_version == 1 for e in service.core.engines.values())
+    finally:
+        await service.stop()
+
+
 async def test_a_dead_node_s_engines_come_back_when_a_node_joins(ray_cluster):
     """The worker node dies: its engines' requests finish on the head's
     engines; the engines stay down (no free resources) until a new node
