@@ -19,7 +19,7 @@ from typing import AsyncIterator
 
 import numpy as np
 
-from load_tests.driver import Completion, GroupRequest
+from rollout_service.bench.driver import Completion, GroupRequest
 from load_tests.policies import make_placement
 from rollout_service.config import EngineConfig, ServiceConfig
 from rollout_service.core.clock import Clock
