@@ -44,6 +44,7 @@ class GroupRequest:
     # Multi-turn: one traced trajectory per sample (`max_tokens` is then a turn's budget).
     trajectories: list[TrajectoryShape] | None = None
     max_turns: int = 0
+    prompt_text: str = ""  # a text prompt (then `prompt_token_ids` is empty): prompt files of text
 
     def metadata(self) -> dict[str, str]:
         if self.trajectories:
@@ -147,9 +148,11 @@ def group_requests(workload: Workload, step: int, run_id: str, vocab_size: int) 
         hints = [L + 1 if L >= workload.max_tokens else L for L in shape.output_lens]
         if shape.trajectories:
             hints = [t.generated for t in shape.trajectories]
-        out.append(GroupRequest(gid, prompt_ids(shape, f"{step}/{i}", vocab_size), shape.num_samples,
+        ids = [] if shape.prompt_text else prompt_ids(shape, f"{step}/{i}", vocab_size)
+        out.append(GroupRequest(gid, ids, shape.num_samples,
                                 workload.max_tokens, hints, trajectories=shape.trajectories,
-                                max_turns=workload.max_turns if shape.trajectories else 0))
+                                max_turns=workload.max_turns if shape.trajectories else 0,
+                                prompt_text=shape.prompt_text or ""))
     return out
 
 
@@ -228,10 +231,13 @@ async def closed_loop(
     on_step_start: Callable[[int], None] | None = None,
     on_step_end: Callable[[StepRecord], None] | None = None,
     train_s: float = 0.0,
+    drain: bool = False,
 ) -> tuple[list[StepRecord], int]:
     """Run the workload step by step; returns the step records and the number
     of duplicate deliveries seen. `train_s`: the trainer stand-in's compute
-    per step (before the push)."""
+    per step (before the push). `drain`: at the end, wait for the groups that
+    the steps did not wait for (`need_groups`), so every submitted sample is
+    delivered (into its step's record; makespans are unchanged)."""
     collector = _Collector(target)
     records: list[StepRecord] = []
     try:
@@ -255,6 +261,9 @@ async def closed_loop(
                 await target.push_weights(step + 1)
             record.weights_at = target.now()
             records.append(record)
+        if drain:
+            for record in records:
+                await collector.until(record, len(record.group_submitted_at))
     finally:
         await collector.close()
     return records, collector.duplicates

@@ -75,6 +75,7 @@ class GroupShape:
     prompt_token_ids: list[int] | None = None
     problem: object | None = None
     trajectories: list[TrajectoryShape] | None = None  # multi-turn: one per sample
+    prompt_text: str | None = None  # a text prompt (prompt files): sent as text, `prompt_len` unknown (0)
 
     @property
     def num_samples(self) -> int:
@@ -181,13 +182,14 @@ def scaled(workload: Workload, scale: float) -> Workload:
     steps = [
         [
             GroupShape(
-                g.prompt_len if g.prompt_token_ids is not None else scale_length(g.prompt_len, scale),
+                g.prompt_len if g.prompt_token_ids is not None or g.prompt_text else scale_length(g.prompt_len, scale),
                 [scale_length(L, scale) for L in g.output_lens],
                 g.prompt_token_ids,
                 g.problem,
                 [TrajectoryShape([scale_length(L, scale) for L in t.turn_lens], list(t.tool_s),
                                  [scale_length(L, scale) for L in t.observation_lens])
                  for t in g.trajectories] if g.trajectories else None,
+                g.prompt_text,
             )
             for g in step
         ]
