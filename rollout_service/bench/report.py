@@ -121,7 +121,8 @@ def markdown(doc: dict) -> str:
              ("errors by status", ", ".join(f"{k}: {v}" for k, v in s["errors"].items()) or "none"),
              ("lengths as asked", "-" if s["lengths_matched"] is None else f"{s['lengths_matched']:.1%}")]
     lines += [f"| {a} | {b} |" for a, b in rows]
-    lines += ["", f"TTFT and inter-token latency: {s['timing_source']}.", ""]
+    lines += ["", f"TTFT and inter-token latency: {s['timing_source']}."]
+    lines += [f"First error {k}: {v}" for k, v in s["error_examples"].items()] + [""]
     return "\n".join(lines)
 
 

@@ -190,6 +190,8 @@ async def connect_grpc(address: str, token: str | None, tls_ca_file: str | None,
             why = "refused the token (--token)"
         elif code == grpc.StatusCode.UNIMPLEMENTED:
             why = "answers gRPC but is not a rollout service (rollout.v1)"
+        elif "http1.x server" in (exc.details() or ""):
+            why = "is an HTTP/1.1 server, not gRPC (an OpenAI-compatible server? give http://)"
         else:
             why = f"cannot be reached ({code.name}: {exc.details()})"
         raise TargetError(f"--target {url} {why}") from None
@@ -334,6 +336,10 @@ async def connect_http(base_url: str, token: str | None, tls_ca_file: str | None
             async with session.get(models_url) as resp:
                 text = await resp.text()
                 status = resp.status
+    except aiohttp.ClientResponseError as exc:
+        await session.close()
+        raise TargetError(f"--target {base_url} does not speak HTTP/1.1 (a gRPC port? give grpc://): "
+                          f"{str(exc)[:80]}") from None
     except (aiohttp.ClientError, OSError) as exc:
         await session.close()
         raise TargetError(f"--target {base_url} cannot be reached: {exc}") from None
