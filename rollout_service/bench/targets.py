@@ -98,8 +98,10 @@ class GrpcTarget:
     streams_tokens = False  # TTFT and inter-token latency from the service's timestamps
 
     def __init__(self, client, weights_file: str | None = None, keep_tokens: bool = False,
-                 exact_lengths: bool = False, push_bytes: int = 0, hints: bool = True) -> None:
+                 exact_lengths: bool = False, push_bytes: int = 0, hints: bool = True,
+                 from_cursor: int | None = None) -> None:
         self.client = client
+        self.from_cursor = from_cursor  # skip what the service delivered before (None: the client's own cursor)
         self.hints = hints
         self.weights_file = weights_file  # real engines: push this checkpoint (same host) instead of the dummy
         self.keep_tokens = keep_tokens
@@ -107,6 +109,7 @@ class GrpcTarget:
         self.push_state = {"bench.push": np.zeros(push_bytes, dtype=np.uint8)} if push_bytes else DUMMY_STATE
         self._clock = Clock()
         self._errors: asyncio.Queue[Completion] = asyncio.Queue()
+        self.error_examples: dict[str, str] = {}  # status -> the first error's details
 
     async def submit(self, groups: list[GroupRequest]) -> None:
         import grpc
@@ -126,13 +129,14 @@ class GrpcTarget:
         try:
             await self.client.submit(pgs)
         except grpc.aio.AioRpcError as exc:
+            self.error_examples.setdefault(exc.code().name, (exc.details() or "")[:200])
             # Every sample of the refused groups is delivered as an error of that status.
             for g in groups:
                 for i in range(g.num_samples):
                     self._errors.put_nowait(_error(g, i, exc.code().name, self.now()))
 
     async def completions(self) -> AsyncIterator[Completion]:
-        stream = self.client.stream(ack_every=256)
+        stream = self.client.stream(ack_every=256, from_cursor=self.from_cursor)
         pending = asyncio.ensure_future(stream.__anext__())
         try:
             while True:
@@ -170,7 +174,8 @@ class GrpcTarget:
 async def connect_grpc(address: str, token: str | None, tls_ca_file: str | None, timeout_s: float,
                        push_bytes: int = 0, exact_lengths: bool = True, hints: bool = True):
     """A `RolloutClient` on `address` ("host:port") that answered GetStatus,
-    and a `GrpcTarget` over it; `TargetError` naming the target otherwise."""
+    its status, and a `GrpcTarget` over it that streams only what completes
+    from now on; `TargetError` naming the target otherwise."""
     import grpc
 
     from trainer_client import RolloutClient
@@ -195,7 +200,8 @@ async def connect_grpc(address: str, token: str | None, tls_ca_file: str | None,
         else:
             why = f"cannot be reached ({code.name}: {exc.details()})"
         raise TargetError(f"--target {url} {why}") from None
-    return client, status, GrpcTarget(client, exact_lengths=exact_lengths, push_bytes=push_bytes, hints=hints)
+    return client, status, GrpcTarget(client, exact_lengths=exact_lengths, push_bytes=push_bytes, hints=hints,
+                                      from_cursor=status.last_cursor)
 
 
 class HttpTarget:
