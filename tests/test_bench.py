@@ -139,3 +139,23 @@ async def test_compare_prints_two_reports_side_by_side(tmp_path, capsys):
     assert delivered[-3] == delivered[-2] and delivered[-1] == "1.00"  # same workload, all delivered on both
     assert "tokens/s" in rows
     assert main(["bench", "compare", str(tmp_path / "a")]) == 2
+
+
+def test_every_bundled_trace_is_package_data_and_the_named_workloads_load_from_it():
+    import fnmatch
+    import tomllib
+
+    from rollout_service.bench.workloads import BUNDLED_TRACES, load_workload
+
+    root = BUNDLED_TRACES.parent.parent  # the rollout_service package
+    patterns = tomllib.loads((root.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"][
+        "rollout_service"]
+    files = [p.relative_to(root).as_posix() for p in BUNDLED_TRACES.rglob("*") if p.is_file()]
+    assert len(files) >= 30 and "bench/traces/README.md" in files  # the README names the source and licence
+
+    def packaged(path: str) -> bool:  # setuptools' globs: a '*' never crosses a '/'
+        return any(len(pat.split("/")) == len(path.split("/")) and
+                   all(fnmatch.fnmatchcase(a, b) for a, b in zip(path.split("/"), pat.split("/"))) for pat in patterns)
+
+    assert [f for f in files if not packaged(f)] == []
+    assert [len(load_workload(name).steps) for name in ("math", "code", "video")] == [6, 5, 10]
