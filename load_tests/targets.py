@@ -35,6 +35,9 @@ from rollout_service.partial import CarryOverConfig
 from rollout_service.scheduling import PolicySpec
 from rollout_service.scheduling.rebalancer import RebalanceConfig
 
+NO_MODEL = "(simulated)"  # an engine.model with no config.json: sim engines without a model
+
+
 @dataclass(slots=True)
 class FleetSpec:
     """The engines and policy of one run."""

@@ -265,6 +265,9 @@ class HttpTarget:
             except aiohttp.ClientError as exc:
                 self.error_examples.setdefault("connection", str(exc)[:200])
                 result = _error(g, i, "connection", self.now())
+            except (ValueError, KeyError, IndexError, TypeError) as exc:  # a body that is not what the API says
+                self.error_examples.setdefault("bad-response", repr(exc)[:200])
+                result = _error(g, i, "bad-response", self.now())
         self._done.put_nowait(result)
 
     async def _request(self, g: GroupRequest, i: int, queued: float) -> Completion:
