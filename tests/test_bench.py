@@ -159,3 +159,19 @@ def test_every_bundled_trace_is_package_data_and_the_named_workloads_load_from_i
 
     assert [f for f in files if not packaged(f)] == []
     assert [len(load_workload(name).steps) for name in ("math", "code", "video")] == [6, 5, 10]
+
+
+async def test_trace_lengths_past_the_model_context_are_cut_to_fit_and_counted():
+    async with running(sim_config(num_engines=2)) as service:  # the bundled model's context: 1,024 tokens
+        doc = await bench(service, "http", workload="math", steps=1, groups_per_step=4)
+    assert_complete(doc)  # nothing refused for its length
+    assert doc["config"]["max_model_len"] == 1024  # read from /v1/models
+    assert doc["config"]["samples_cut_to_context"] > 0
+    assert doc["summary"]["lengths_matched"] == 1.0
+
+
+def test_a_malformed_prompt_file_is_refused_naming_the_line(tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": [5, 6], "output_len": 4}\n{"prompt": 7}\n')
+    assert main(["bench", "--target", "grpc://127.0.0.1:1", "--workload", str(prompts)]) == 2
+    assert f"{prompts}:2: 'prompt' must be" in capsys.readouterr().err
