@@ -126,8 +126,9 @@ def markdown(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(out: Path, doc: dict, latencies: list[float]) -> Path:
-    """`bench.png`: each step's makespan, and the per-sample latency CDF."""
+def plot(out: Path, doc: dict, latencies: list[float], ttft: list[float] = ()) -> Path:
+    """`bench.png`: each step's makespan, and the CDFs of per-sample latency
+    and time to first token."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -137,13 +138,16 @@ def plot(out: Path, doc: dict, latencies: list[float]) -> Path:
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
     steps = s["per_step"]
     a.bar([p["step"] for p in steps], [p["makespan_s"] for p in steps], color="tab:blue")
+    a.set_xticks([p["step"] for p in steps])
     a.set_xlabel("step")
     a.set_ylabel("makespan s")
     a.set_title(f"{s['tokens_per_s']:.0f} tokens/s, {s['samples_per_s']:.1f} samples/s", fontsize=10)
-    x = np.sort(np.asarray(latencies, dtype=float))
-    if x.size:
-        b.plot(x, np.arange(1, x.size + 1) / x.size, color="tab:red")
-    b.set_xlabel("per-sample latency s")
+    for values, label, color in ((latencies, "latency", "tab:red"), (ttft, "time to first token", "tab:gray")):
+        x = np.sort(np.asarray(values, dtype=float))
+        if x.size:
+            b.plot(x, np.arange(1, x.size + 1) / x.size, color=color, label=label)
+    b.legend(fontsize=8)
+    b.set_xlabel("per sample, s")
     b.set_ylabel("fraction of samples")
     b.grid(alpha=0.3)
     fig.suptitle(f"{doc['config']['workload']} against {doc['config']['target']}", fontsize=10)
@@ -154,7 +158,7 @@ def plot(out: Path, doc: dict, latencies: list[float]) -> Path:
     return path
 
 
-def write(out: Path, doc: dict, latencies: list[float], plots: bool = True) -> list[Path]:
+def write(out: Path, doc: dict, latencies: list[float], ttft: list[float] = (), plots: bool = True) -> list[Path]:
     """Write report.json, report.md and (with matplotlib) bench.png into `out`."""
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "report.json", out / "report.md"]
@@ -162,7 +166,7 @@ def write(out: Path, doc: dict, latencies: list[float], plots: bool = True) -> l
     paths[1].write_text(markdown(doc))
     if plots:
         try:
-            paths.append(plot(out, doc, latencies))
+            paths.append(plot(out, doc, latencies, ttft))
         except ImportError:
             pass  # matplotlib is optional: the JSON and markdown carry every figure
     return paths

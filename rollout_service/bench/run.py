@@ -228,7 +228,9 @@ async def run_bench(opts: BenchOptions, out=sys.stdout) -> dict:
     if opts.report:
         latencies = [c.finished_at - c.queued_at for r in records for c in r.samples
                      if not c.finish_reason.startswith("error:")]
-        paths = report.write(Path(opts.report), doc, latencies, plots=opts.plots)
+        ttft = list(target.ttft_s) if target.streams_tokens else [c.first_token_at - c.queued_at for r in records
+                                                                  for c in r.samples if c.first_token_at > 0]
+        paths = report.write(Path(opts.report), doc, latencies, ttft, plots=opts.plots)
         print("wrote " + ", ".join(str(p) for p in paths), file=out)
     return doc
 
