@@ -175,3 +175,22 @@ def test_a_malformed_prompt_file_is_refused_naming_the_line(tmp_path, capsys):
     prompts.write_text('{"prompt": [5, 6], "output_len": 4}\n{"prompt": 7}\n')
     assert main(["bench", "--target", "grpc://127.0.0.1:1", "--workload", str(prompts)]) == 2
     assert f"{prompts}:2: 'prompt' must be" in capsys.readouterr().err
+
+
+async def test_a_service_with_tokens_and_tls_is_benched_with_token_and_ca_and_refuses_a_wrong_token(tmp_path):
+    from test_security import _self_signed
+
+    cert, key = _self_signed(tmp_path)
+    cfg = sim_config(num_engines=1)
+    cfg.tls.cert_file, cfg.tls.key_file = cert, key
+    cfg.auth.submit_tokens = ["s3cret"]
+    async with running(cfg) as service:
+        for scheme, port in (("grpc", service.grpc_port), ("https", service.http_port)):
+            target = f"{scheme}://localhost:{port}"
+            doc = await asyncio.wait_for(run_bench(BenchOptions(
+                target=target, token="s3cret", tls_ca=cert, quick=True, steps=1), out=io.StringIO()), BOUND_S)
+            assert_complete(doc)
+            assert "s3cret" not in json.dumps(doc)  # the token is not written into the report
+            with pytest.raises(TargetError, match=f"--target {target} refused the token"):
+                await asyncio.wait_for(run_bench(BenchOptions(
+                    target=target, token="wrong", tls_ca=cert, quick=True), out=io.StringIO()), BOUND_S)

@@ -180,7 +180,7 @@ async def connect_grpc(address: str, token: str | None, tls_ca_file: str | None,
 
     from trainer_client import RolloutClient
 
-    url = f"grpc{'s' if tls_ca_file else ''}://{address}"
+    url = f"grpc://{address}"
     client = RolloutClient(address, consumer_id=f"bench-{uuid.uuid4().hex[:8]}", token=token,
                            tls_ca_file=tls_ca_file, reconnect_timeout_s=timeout_s)
     try:
