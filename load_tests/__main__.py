@@ -22,7 +22,7 @@ from pathlib import Path
 from load_tests.report import (markdown_speedup_table, markdown_table, plot, pooled, pooled_table, table,
                                write_json, write_measured)
 from load_tests.runner import RunConfig, check_passes, run_passes
-from load_tests.workloads import WORKLOADS, load_workload
+from rollout_service.bench.workloads import WORKLOADS, load_workload
 from rollout_service.engines.sim import SimParams
 from load_tests.policies import parse_policies
 from load_tests.predict import ENSEMBLE, JITTER

@@ -438,7 +438,7 @@ def calibrate_draft(args, model: str, vocab: int, max_len: int, batches: list[in
     """`measure_draft` on an engine of the same model with the draft model attached."""
     from vllm import LLM
 
-    from load_tests.workloads.tiny_reasoner import generate
+    from rollout_service.bench.workloads.tiny_reasoner import generate
     from rollout_service.engines.spec_config import SpecConfig
 
     model_free = args.draft == "ngram"

@@ -63,7 +63,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from load_tests.driver import StepRecord
+from rollout_service.bench.driver import StepRecord
 from rollout_service.aio import cancel_and_wait
 from rollout_service.scheduling.search import least_feasible
 

@@ -41,7 +41,7 @@ from load_tests import speed_reference
 from load_tests.policies import parse_policy
 from load_tests.report import measured_dir, pooled
 from load_tests.runner import RunConfig, base_policy, run_policy
-from load_tests.workloads import polytrace
+from rollout_service.bench.workloads import polytrace
 
 # A verified draft token costs one more sequence of the calibrated batch.
 VERIFY_COST = {"spec_verify_cost": 1.0}

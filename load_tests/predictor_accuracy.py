@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from load_tests.runner import RunConfig, run_policy
-from load_tests.workloads import load_workload
+from rollout_service.bench.workloads import load_workload
 from load_tests.policies import parse_policy
 from load_tests.report import save_json
 from rollout_service.lifecycle.types import Request

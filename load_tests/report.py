@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from load_tests.runner import RunResult, base_policy
-from load_tests.workloads import Workload
+from rollout_service.bench.workloads import Workload
 
 SCHEMA_VERSION = 1
 

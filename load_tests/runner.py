@@ -3,7 +3,7 @@
     virtual clock: the in-process core + simulated engines on `run_virtual`
     real clock:    a `RolloutService` on loopback + `RolloutClient`
 
-Both run the same driver (`load_tests.driver`) and report the same metrics
+Both run the same driver (`rollout_service.bench.driver`) and report the same metrics
 (`load_tests.metrics`).
 """
 from __future__ import annotations
@@ -18,10 +18,11 @@ from pathlib import Path
 
 import numpy as np
 
-from load_tests import driver, multiturn, speed_reference
+from load_tests import multiturn, speed_reference
+from rollout_service.bench import driver
 from load_tests.metrics import CostModel, Counters, FleetProbe, host_cpu, host_cpu_share, step_metrics, summarise
 from load_tests.targets import FleetSpec, grpc_fleet, in_process_fleet
-from load_tests.workloads import Workload
+from rollout_service.bench.workloads import Workload
 from rollout_service.core.clock import run_virtual
 from rollout_service.drafter.drafter_trainer import DrafterTrainer
 from rollout_service.drafter.runtime import SpecRuntime
@@ -364,7 +365,7 @@ def trained_staleness(records: list[driver.StepRecord], max_version_lag: int) ->
 
 
 def _reward(records: list[driver.StepRecord], w: Workload) -> float:
-    from load_tests.workloads.tiny_reasoner import score
+    from rollout_service.bench.workloads.tiny_reasoner import score
 
     rewards = []
     for r in records:

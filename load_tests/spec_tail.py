@@ -194,7 +194,7 @@ def plot(out: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from load_tests.workloads.tiny_reasoner import generate
+    from rollout_service.bench.workloads.tiny_reasoner import generate
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--routes", default=",".join(ROUTES), help=f"comma list of {list(ROUTES)}")

@@ -3,7 +3,8 @@
 - `InProcessTarget` drives a `RolloutCore` directly. Under `run_virtual` it
   simulates hours of fleet time in seconds; the core, the placement policy
   and the engines are the service's own objects.
-- `GrpcTarget` talks to a running service through `trainer_client.RolloutClient`
+- `GrpcTarget` (`rollout_service.bench.targets`, shared with `rollout-service
+  bench`) talks to a running service through `trainer_client.RolloutClient`
   over loopback.
 
 Both fleets are built from the same `EngineConfig` by the service's own
@@ -19,7 +20,8 @@ from typing import AsyncIterator
 
 import numpy as np
 
-from load_tests.driver import Completion, GroupRequest
+from rollout_service.bench.driver import Completion, GroupRequest
+from rollout_service.bench.targets import DUMMY_STATE, GrpcTarget, completion
 from load_tests.policies import make_placement
 from rollout_service.config import EngineConfig, ServiceConfig
 from rollout_service.core.clock import Clock
@@ -33,12 +35,7 @@ from rollout_service.partial import CarryOverConfig
 from rollout_service.scheduling import PolicySpec
 from rollout_service.scheduling.rebalancer import RebalanceConfig
 
-FINISH = {1: "stop", 2: "length", 3: "aborted"}
 NO_MODEL = "(simulated)"  # an engine.model with no config.json: sim engines without a model
-
-# What a weight push carries in a load test: the service verifies and applies
-# it like any other; simulated engines only take their update time.
-DUMMY_STATE = {"load_test.dummy": np.zeros(16, dtype=np.float32)}
 
 
 @dataclass(slots=True)
@@ -120,42 +117,6 @@ def _staged(state: dict):
     return staged(tensors) if staged else {t.name: t for t in tensors}
 
 
-def _tokens_by_version(versions) -> dict[int, int]:
-    """Generated tokens per policy version, from the core's tags or the
-    client's (version, start, length) segments."""
-    out: dict[int, int] = {}
-    for version, _, length in getattr(versions, "segments", versions):
-        if version >= 0:  # observations carry no version
-            out[version] = out.get(version, 0) + length
-    return out
-
-
-def _completion(sample, prompt_len: int, keep_tokens: bool) -> Completion:
-    mask = getattr(sample, "loss_mask", None)  # the core's list (the client's Sample has a method of that name)
-    mask = list(mask) if isinstance(mask, list) else []
-    turns = list(getattr(sample, "turns", None) or [])
-    return Completion(
-        sample_id=sample.sample_id,
-        group_id=sample.group_id,
-        index=sample.index,
-        prompt_len=prompt_len,
-        response_len=len(sample.response_token_ids),
-        finish_reason=sample.finish_reason if isinstance(sample.finish_reason, str) else FINISH.get(int(sample.finish_reason), "unspecified"),
-        queued_at=sample.queued_at,
-        first_token_at=sample.first_token_at,
-        finished_at=sample.finished_at,
-        engines=list(sample.engines),
-        num_migrations=sample.num_migrations,
-        response_token_ids=list(sample.response_token_ids) if keep_tokens else None,
-        min_version=sample.versions.min_version if hasattr(sample.versions, "min_version") else sample.min_version,
-        max_version=sample.versions.max_version if hasattr(sample.versions, "max_version") else sample.max_version,
-        tokens_by_version=_tokens_by_version(sample.versions),
-        generated_len=sum(mask) if mask else -1,
-        turns=sum(1 for t in turns if t.kind == "generated"),
-        tool_s=sum(t.tool_s for t in turns if t.kind == "observation"),
-    )
-
-
 class InProcessTarget:
     """`RolloutTarget` over a `RolloutCore` in this process (no network)."""
 
@@ -178,7 +139,7 @@ class InProcessTarget:
             s = entry.sample
             if getattr(s, "awaiting_observation", False):
                 continue  # a turn event, not a finished trajectory
-            yield _completion(s, len(s.prompt_token_ids), self.keep_tokens)
+            yield completion(s, len(s.prompt_token_ids), self.keep_tokens)
             if entry.cursor % 256 == 0:
                 delivery.ack(self.consumer_id, entry.cursor)  # frees what was consumed
 
@@ -187,41 +148,6 @@ class InProcessTarget:
 
     def now(self) -> float:
         return self.core.clock.monotonic()
-
-
-class GrpcTarget:
-    """`RolloutTarget` over the gRPC client (loopback or remote)."""
-
-    def __init__(self, client, weights_file: str | None = None, keep_tokens: bool = False) -> None:
-        self.client = client
-        self.weights_file = weights_file  # real engines: push this checkpoint (same host) instead of the dummy
-        self.keep_tokens = keep_tokens
-        self._clock = Clock()
-
-    async def submit(self, groups: list[GroupRequest]) -> None:
-        from trainer_client import PromptGroup
-
-        if any(g.trajectories for g in groups):
-            raise ValueError("multi-turn workloads replay in process (--clock virtual); over gRPC the trace "
-                             "environment would have to be configured in the service")
-        await self.client.submit([
-            PromptGroup(prompt_token_ids=g.prompt_token_ids, num_samples=g.num_samples, max_tokens=g.max_tokens,
-                        temperature=g.temperature, group_id=g.group_id, metadata=g.metadata())
-            for g in groups
-        ])
-
-    async def completions(self) -> AsyncIterator[Completion]:
-        async for s in self.client.stream(ack_every=256):
-            yield _completion(s, len(s.prompt_token_ids), self.keep_tokens)
-
-    async def push_weights(self, version: int) -> None:
-        if self.weights_file:
-            await self.client.push_weights_file(self.weights_file, version)
-        else:
-            await self.client.push_weights(DUMMY_STATE, version)
-
-    def now(self) -> float:
-        return self._clock.monotonic()
 
 
 @contextlib.asynccontextmanager

@@ -1,4 +1,4 @@
-"""`rollout-service serve | plan | selftest | status | demo | build-model | build-eagle`."""
+"""`rollout-service serve | plan | selftest | status | demo | bench | build-model | build-eagle`."""
 from __future__ import annotations
 
 import argparse
@@ -231,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--samples", type=int, default=8)
     demo.add_argument("--max-tokens", type=int, default=256)
     demo.set_defaults(fn=cmd_demo)
+    from rollout_service.bench.run import add_parser as _add_bench
+
+    _add_bench(sub)
     _add_build_model(sub)
     _add_build_eagle(sub)
     args = parser.parse_args(argv)

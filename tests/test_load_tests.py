@@ -10,7 +10,7 @@ import pytest
 
 from load_tests.__main__ import main
 from load_tests.runner import RunConfig, run_async, run_policy
-from load_tests.workloads import GroupShape, Workload, load_workload
+from rollout_service.bench.workloads import GroupShape, Workload, load_workload
 from load_tests.policies import parse_policy
 
 BASELINES = ["static", "least-assigned", "sticky-rr"]
@@ -517,7 +517,7 @@ def test_a_real_time_run_writes_what_was_generated_and_predict_replays_it(tmp_pa
         assert summary["warmup_s"] > 0  # it ran, before the measured steps
         assert summary["samples_submitted"] == 2 * 4 * 8  # and none of its samples is counted
     w = load_workload("math", length_scale=0.05, steps=2, groups_per_step=4)
-    from load_tests.workloads import polytrace
+    from rollout_service.bench.workloads import polytrace
 
     for policy in ("static", "least-assigned_partial"):
         replay = polytrace.load_trace(out / "measured" / policy, name=policy)
@@ -567,7 +567,7 @@ def test_two_passes_run_the_policies_there_and_back_on_the_two_halves_of_the_ste
     report = json.loads((out / "report.json").read_text())
     runs = ["static#1", "least-assigned+partial#1", "least-assigned+partial#2", "static#2"]
     assert list(report["results"]) == report["config"]["policies"] == runs  # in the order they ran
-    from load_tests.workloads import polytrace
+    from rollout_service.bench.workloads import polytrace
 
     for name in runs:
         summary = report["results"][name]

@@ -6,11 +6,11 @@ import asyncio
 
 import pytest
 
-from load_tests.driver import group_requests
+from rollout_service.bench.driver import group_requests
 from load_tests.policies import parse_policy
 from load_tests.runner import RunConfig, run_policy
 from load_tests.trace_env import TraceEnvironment
-from load_tests.workloads import load_workload
+from rollout_service.bench.workloads import load_workload
 from rollout_service.core.clock import run_virtual
 from rollout_service.engines.types import FinishReason
 from rollout_service.lifecycle.types import EnvRequest

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from load_tests.workloads import GroupShape, Workload
+from rollout_service.bench.workloads import GroupShape, Workload
 
 
 @dataclass(slots=True)

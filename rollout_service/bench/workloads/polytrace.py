@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from load_tests.workloads import GroupShape, TrajectoryShape, Workload
+from rollout_service.bench.workloads import GroupShape, TrajectoryShape, Workload
 
 _STEP = re.compile(r"packed_lengths_step_(\d+)\.jsonl$")
 _MT_STEP = re.compile(r"multiturn_workload_step_(\d+)\.jsonl(\.gz)?$")

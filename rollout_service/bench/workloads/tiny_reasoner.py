@@ -8,7 +8,7 @@ come from the task's tokenizer either way).
 """
 from __future__ import annotations
 
-from load_tests.workloads import GroupShape, Workload
+from rollout_service.bench.workloads import GroupShape, Workload
 
 
 def generate(steps: int, groups_per_step: int, seed: int = 0, samples_per_group: int = 8,

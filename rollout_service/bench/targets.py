@@ -1,0 +1,370 @@
+"""The targets a bench run drives, each a `driver.RolloutTarget`.
+
+- `GrpcTarget`: this service's gRPC API (rollout.v1) through the real
+  `trainer_client.RolloutClient`; one GRPO group per `Submit`, samples from
+  `StreamSamples`. TTFT and inter-token latency come from the service's
+  per-sample timestamps (queued, first token, finished).
+- `HttpTarget`: any OpenAI-compatible server's `/v1/completions` (this
+  service's side server, `vllm serve`, SGLang): one streamed request per
+  sample, TTFT and inter-token gaps measured here from the server-sent events.
+
+`connect_grpc` and `connect_http` check the target before a run and raise
+`TargetError` naming it within `timeout_s` seconds.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import ssl
+import time
+import uuid
+from array import array
+from typing import AsyncIterator
+
+import numpy as np
+
+from rollout_service.bench.driver import Completion, GroupRequest
+from rollout_service.core.clock import Clock
+
+FINISH = {1: "stop", 2: "length", 3: "aborted"}
+
+# What a weight push carries in a load test: the service verifies and applies
+# it like any other; simulated engines only take their update time.
+DUMMY_STATE = {"load_test.dummy": np.zeros(16, dtype=np.float32)}
+
+
+class TargetError(Exception):
+    """The target cannot be used: unreachable, the wrong kind of server, or
+    it refused the credentials. The message names the target and the flag."""
+
+
+def _tokens_by_version(versions) -> dict[int, int]:
+    """Generated tokens per policy version, from the core's tags or the
+    client's (version, start, length) segments."""
+    out: dict[int, int] = {}
+    for version, _, length in getattr(versions, "segments", versions):
+        if version >= 0:  # observations carry no version
+            out[version] = out.get(version, 0) + length
+    return out
+
+
+def completion(sample, prompt_len: int, keep_tokens: bool) -> Completion:
+    """A driver `Completion` from a sample of the core or of the client."""
+    mask = getattr(sample, "loss_mask", None)  # the core's list (the client's Sample has a method of that name)
+    mask = list(mask) if isinstance(mask, list) else []
+    turns = list(getattr(sample, "turns", None) or [])
+    return Completion(
+        sample_id=sample.sample_id,
+        group_id=sample.group_id,
+        index=sample.index,
+        prompt_len=prompt_len,
+        response_len=len(sample.response_token_ids),
+        finish_reason=sample.finish_reason if isinstance(sample.finish_reason, str) else FINISH.get(int(sample.finish_reason), "unspecified"),
+        queued_at=sample.queued_at,
+        first_token_at=sample.first_token_at,
+        finished_at=sample.finished_at,
+        engines=list(sample.engines),
+        num_migrations=sample.num_migrations,
+        response_token_ids=list(sample.response_token_ids) if keep_tokens else None,
+        min_version=sample.versions.min_version if hasattr(sample.versions, "min_version") else sample.min_version,
+        max_version=sample.versions.max_version if hasattr(sample.versions, "max_version") else sample.max_version,
+        tokens_by_version=_tokens_by_version(sample.versions),
+        generated_len=sum(mask) if mask else -1,
+        turns=sum(1 for t in turns if t.kind == "generated"),
+        tool_s=sum(t.tool_s for t in turns if t.kind == "observation"),
+    )
+
+
+def _error(group: GroupRequest, index: int, status: str, now: float) -> Completion:
+    """A sample the target refused or lost: delivered as an error, so a step
+    never waits for it."""
+    return Completion(f"{group.group_id}-{index}", group.group_id, index, len(group.prompt_token_ids), 0,
+                      f"error:{status}", now, 0.0, now, [], 0)
+
+
+class GrpcTarget:
+    """`RolloutTarget` over the gRPC client (loopback or remote).
+
+    `exact_lengths`: each group asks for at least its shortest and at most
+    its longest target length (`max_tokens`, and `min_tokens` one less: the
+    end token may come as the shortest's last) and carries the
+    per-sample lengths as the simulated engines' hint; a real engine ends
+    each sample within those bounds. `push_bytes`: the size of the tensor a
+    weight push sends (0: the load tests' 64-byte dummy). `hints`: send the
+    per-sample lengths as the simulated engines' hint (off when the model
+    decides the lengths)."""
+
+    streams_tokens = False  # TTFT and inter-token latency from the service's timestamps
+
+    def __init__(self, client, weights_file: str | None = None, keep_tokens: bool = False,
+                 exact_lengths: bool = False, push_bytes: int = 0, hints: bool = True,
+                 from_cursor: int | None = None) -> None:
+        self.client = client
+        self.from_cursor = from_cursor  # skip what the service delivered before (None: the client's own cursor)
+        self.hints = hints
+        self.weights_file = weights_file  # real engines: push this checkpoint (same host) instead of the dummy
+        self.keep_tokens = keep_tokens
+        self.exact_lengths = exact_lengths
+        self.push_state = {"bench.push": np.zeros(push_bytes, dtype=np.uint8)} if push_bytes else DUMMY_STATE
+        self._clock = Clock()
+        self._errors: asyncio.Queue[Completion] = asyncio.Queue()
+        self.error_examples: dict[str, str] = {}  # status -> the first error's details
+
+    async def submit(self, groups: list[GroupRequest]) -> None:
+        import grpc
+
+        from trainer_client import PromptGroup
+
+        if any(g.trajectories for g in groups):
+            raise ValueError("multi-turn workloads replay in process (--clock virtual); over gRPC the trace "
+                             "environment would have to be configured in the service")
+        pgs = []
+        for g in groups:
+            lengths = g.target_lengths if self.exact_lengths and g.target_lengths else None
+            pgs.append(PromptGroup(prompt_token_ids=g.prompt_token_ids or None, prompt_text=g.prompt_text,
+                                   num_samples=g.num_samples, max_tokens=max(lengths) if lengths else g.max_tokens,
+                                   min_tokens=max(0, min(lengths) - 1) if lengths else 0, temperature=g.temperature,
+                                   group_id=g.group_id, metadata=g.metadata() if self.hints else {}))
+        try:
+            await self.client.submit(pgs)
+        except grpc.aio.AioRpcError as exc:
+            self.error_examples.setdefault(exc.code().name, (exc.details() or "")[:200])
+            # Every sample of the refused groups is delivered as an error of that status.
+            for g in groups:
+                for i in range(g.num_samples):
+                    self._errors.put_nowait(_error(g, i, exc.code().name, self.now()))
+
+    async def completions(self) -> AsyncIterator[Completion]:
+        stream = self.client.stream(ack_every=256, from_cursor=self.from_cursor)
+        pending = asyncio.ensure_future(stream.__anext__())
+        try:
+            while True:
+                while not self._errors.empty():
+                    yield self._errors.get_nowait()
+                error = asyncio.ensure_future(self._errors.get())
+                done, _ = await asyncio.wait({pending, error}, return_when=asyncio.FIRST_COMPLETED)
+                if error in done:
+                    yield error.result()
+                else:
+                    error.cancel()
+                if pending in done:
+                    try:
+                        s = pending.result()
+                    except StopAsyncIteration:
+                        return
+                    pending = asyncio.ensure_future(stream.__anext__())
+                    yield completion(s, len(s.prompt_token_ids), self.keep_tokens)
+        finally:
+            pending.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                await pending
+            await stream.aclose()
+
+    async def push_weights(self, version: int) -> None:
+        if self.weights_file:
+            await self.client.push_weights_file(self.weights_file, version)
+        else:
+            await self.client.push_weights(self.push_state, version)
+
+    def now(self) -> float:
+        return self._clock.monotonic()
+
+
+async def connect_grpc(address: str, token: str | None, tls_ca_file: str | None, timeout_s: float,
+                       push_bytes: int = 0, exact_lengths: bool = True, hints: bool = True):
+    """A `RolloutClient` on `address` ("host:port") that answered GetStatus,
+    its status, and a `GrpcTarget` over it that streams only what completes
+    from now on; `TargetError` naming the target otherwise."""
+    import grpc
+
+    from trainer_client import RolloutClient
+
+    url = f"grpc://{address}"
+    client = RolloutClient(address, consumer_id=f"bench-{uuid.uuid4().hex[:8]}", token=token,
+                           tls_ca_file=tls_ca_file, reconnect_timeout_s=timeout_s)
+    try:
+        status = await asyncio.wait_for(client.status(), timeout_s)
+    except asyncio.TimeoutError:
+        await client.close()
+        raise TargetError(f"--target {url}: no answer to GetStatus within {timeout_s:g} s") from None
+    except grpc.aio.AioRpcError as exc:
+        await client.close()
+        code = exc.code()
+        if code == grpc.StatusCode.UNAUTHENTICATED:
+            why = "refused the token (--token)"
+        elif code == grpc.StatusCode.UNIMPLEMENTED:
+            why = "answers gRPC but is not a rollout service (rollout.v1)"
+        elif "http1.x server" in (exc.details() or ""):
+            why = "is an HTTP/1.1 server, not gRPC (an OpenAI-compatible server? give http://)"
+        else:
+            why = f"cannot be reached ({code.name}: {exc.details()})"
+        raise TargetError(f"--target {url} {why}") from None
+    return client, status, GrpcTarget(client, exact_lengths=exact_lengths, push_bytes=push_bytes, hints=hints,
+                                      from_cursor=status.last_cursor)
+
+
+class HttpTarget:
+    """`RolloutTarget` over an OpenAI-compatible `/v1/completions`: one
+    request per sample, at most `max_concurrency` in flight.
+
+    `exact_lengths`: each sample asks for exactly its target length
+    (`max_tokens` = `min_tokens` = the length, `ignore_eos`; servers that
+    ignore `min_tokens`/`ignore_eos`, such as OpenAI's own, only cap it).
+    `stream`: server-sent events, so TTFT and inter-token gaps are measured
+    here (`ttft_s`, `itl_s`: seconds)."""
+
+    def __init__(self, session, base_url: str, model: str, exact_lengths: bool = True, stream: bool = True,
+                 max_concurrency: int = 512, request_timeout_s: float = 600.0) -> None:
+        self.session = session
+        self.url = base_url.rstrip("/") + "/v1/completions"
+        self.model = model
+        self.exact_lengths = exact_lengths
+        self.streams_tokens = stream
+        self.request_timeout_s = request_timeout_s
+        self._slots = asyncio.Semaphore(max_concurrency)
+        self._done: asyncio.Queue[Completion] = asyncio.Queue()
+        self._tasks: set[asyncio.Task] = set()
+        self._t0 = time.monotonic()
+        self.ttft_s = array("d")
+        self.itl_s = array("d")
+        self.error_examples: dict[str, str] = {}  # status -> the first error body seen
+
+    def now(self) -> float:
+        return time.monotonic() - self._t0
+
+    async def submit(self, groups: list[GroupRequest]) -> None:
+        if any(g.trajectories for g in groups):
+            raise ValueError("multi-turn workloads cannot replay over /v1/completions: the tool turns need the "
+                             "service's trajectory API (give a single-turn --workload)")
+        for g in groups:
+            for i in range(g.num_samples):
+                task = asyncio.create_task(self._one(g, i))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+
+    def _body(self, g: GroupRequest, i: int) -> dict:
+        body = {"model": self.model, "prompt": g.prompt_text or g.prompt_token_ids, "temperature": g.temperature,
+                "max_tokens": g.max_tokens, "stream": self.streams_tokens}
+        if self.streams_tokens:
+            body["stream_options"] = {"include_usage": True}
+        if self.exact_lengths and g.target_lengths:
+            n = g.target_lengths[i]
+            body.update(max_tokens=n, min_tokens=n, ignore_eos=True)
+        return body
+
+    async def _one(self, g: GroupRequest, i: int) -> None:
+        import aiohttp
+
+        async with self._slots:
+            queued = self.now()
+            try:
+                result = await asyncio.wait_for(self._request(g, i, queued), self.request_timeout_s)
+            except asyncio.TimeoutError:
+                result = _error(g, i, "timeout", self.now())
+            except aiohttp.ClientError as exc:
+                self.error_examples.setdefault("connection", str(exc)[:200])
+                result = _error(g, i, "connection", self.now())
+            except (ValueError, KeyError, IndexError, TypeError) as exc:  # a body that is not what the API says
+                self.error_examples.setdefault("bad-response", repr(exc)[:200])
+                result = _error(g, i, "bad-response", self.now())
+        self._done.put_nowait(result)
+
+    async def _request(self, g: GroupRequest, i: int, queued: float) -> Completion:
+        async with self.session.post(self.url, json=self._body(g, i)) as resp:
+            if resp.status != 200:
+                self.error_examples.setdefault(str(resp.status), (await resp.text())[:200])
+                return _error(g, i, str(resp.status), self.now())
+            if not self.streams_tokens:
+                doc = await resp.json()
+                choice = doc["choices"][0]
+                tokens = int((doc.get("usage") or {}).get("completion_tokens", 0))
+                end = self.now()
+                return Completion(f"{g.group_id}-{i}", g.group_id, i, len(g.prompt_token_ids), tokens,
+                                  choice.get("finish_reason") or "stop", queued, 0.0, end, [], 0)
+            return await self._read_stream(resp, g, i, queued)
+
+    async def _read_stream(self, resp, g: GroupRequest, i: int, queued: float) -> Completion:
+        first = last = 0.0
+        chunks, tokens, finish = 0, -1, "stop"
+        async for line in resp.content:
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                break
+            doc = json.loads(data)
+            usage = doc.get("usage")
+            if usage:
+                tokens = int(usage.get("completion_tokens", tokens))
+            for choice in doc.get("choices") or ():
+                if choice.get("text") or choice.get("token_ids"):
+                    t = self.now()
+                    if chunks == 0:
+                        first = t
+                        self.ttft_s.append(t - queued)
+                    else:
+                        self.itl_s.append(t - last)
+                    last = t
+                    chunks += 1
+                if choice.get("finish_reason"):
+                    finish = choice["finish_reason"]
+        end = self.now()
+        # Without usage, one token per chunk (vLLM's and this service's streams).
+        return Completion(f"{g.group_id}-{i}", g.group_id, i, len(g.prompt_token_ids),
+                          tokens if tokens >= 0 else chunks, finish, queued, first or end, end, [], 0)
+
+    async def completions(self) -> AsyncIterator[Completion]:
+        while True:
+            yield await self._done.get()
+
+    async def push_weights(self, version: int) -> None:
+        raise ValueError("an OpenAI-compatible target has no weight route here: --push-bytes needs a grpc:// target")
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+async def connect_http(base_url: str, token: str | None, tls_ca_file: str | None, timeout_s: float,
+                       **target_kw) -> tuple[object, dict, HttpTarget]:
+    """An aiohttp session on `base_url` whose `/v1/models` answered, the
+    first model it lists, and an `HttpTarget` over it; `TargetError` naming
+    the target otherwise. The caller closes the session."""
+    import aiohttp
+
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    ssl_ctx = ssl.create_default_context(cafile=tls_ca_file) if tls_ca_file else None
+    connector = aiohttp.TCPConnector(limit=0, ssl=ssl_ctx if ssl_ctx is not None else True)
+    session = aiohttp.ClientSession(headers=headers, connector=connector,
+                                    timeout=aiohttp.ClientTimeout(total=None, sock_connect=timeout_s))
+    models_url = base_url.rstrip("/") + "/v1/models"
+    try:
+        async with asyncio.timeout(timeout_s):
+            async with session.get(models_url) as resp:
+                text = await resp.text()
+                status = resp.status
+    except aiohttp.ClientResponseError as exc:
+        await session.close()
+        raise TargetError(f"--target {base_url} does not speak HTTP/1.1 (a gRPC port? give grpc://): "
+                          f"{str(exc)[:80]}") from None
+    except (aiohttp.ClientError, OSError) as exc:
+        await session.close()
+        raise TargetError(f"--target {base_url} cannot be reached: {exc}") from None
+    except TimeoutError:
+        await session.close()
+        raise TargetError(f"--target {base_url}: no answer on /v1/models within {timeout_s:g} s") from None
+    if status in (401, 403):
+        await session.close()
+        raise TargetError(f"--target {base_url} refused the token (--token): HTTP {status} on /v1/models")
+    try:
+        models = json.loads(text)["data"] if status == 200 else None
+        model = models[0]
+        model_id = model["id"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        await session.close()
+        raise TargetError(f"--target {base_url} is not an OpenAI-compatible server: GET /v1/models answered "
+                          f"HTTP {status} {text[:120]!r}") from None
+    return session, {"id": model_id, "max_model_len": int(model.get("max_model_len") or 0)}, \
+        HttpTarget(session, base_url, model_id, **target_kw)
