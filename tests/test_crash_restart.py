@@ -295,6 +295,37 @@ async def test_weights_after_a_restart_are_the_last_pushed_or_the_version_really
     assert all(v == 0 for s in got for v, _, _ in s.versions)
 
 
+async def test_a_trajectory_a_weight_push_restarted_stays_restarted_after_a_sigkill(tmp_path):
+    """carry_over.mode="restart": a trajectory waiting for an answer to its
+    turn 0 starts over at a push. Killed right after the push, the service
+    comes back with the trajectory started over under the new version (a
+    fresh turn-0 event), not waiting on the discarded turn."""
+    from trainer_client import MultiTurn
+
+    server = Server(tmp_path, 0.004, "--set", 'carry_over.mode="restart"').start()
+    group = PromptGroup(prompt_token_ids=[1, 5, 6], num_samples=1, max_tokens=300, group_id="traj",
+                        metadata={"sim.target_lengths": "300"}, multi_turn=MultiTurn(max_turns=2))
+    try:
+        async with RolloutClient(server.address, consumer_id="t", reconnect_timeout_s=60) as client:
+            await client.wait_ready(60)
+            await client.submit([group])
+            events: list = []
+            await asyncio.wait_for(_consume(client, events, 1, ack_every=1), 30)
+            assert events[0].awaiting_observation and {v for v, _, _ in events[0].versions} == {0}
+            await client.push_weights(WEIGHTS, version=1)  # turn 0 is discarded: 1.2 s to generate again
+            server.kill()
+            server.start()
+            await client.wait_ready(60)
+            again: list = []
+            await asyncio.wait_for(_consume(client, again, 1, ack_every=1), 30)
+    finally:
+        print(server.stop())
+    turn = again[0]
+    assert turn.sample_id == "traj/0" and turn.awaiting_observation
+    assert {v for v, _, _ in turn.versions} == {1}, "turn 0 generated again under the pushed version"
+    assert len(turn.response_token_ids) == 300
+
+
 async def _retry(what: str, call, timeout: float = 90.0):
     """`call()` until the service answers it (a restart in progress), bounded."""
     import grpc

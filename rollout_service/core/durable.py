@@ -327,6 +327,10 @@ class DurableState:
                         done[gid] = None
             elif kind == "weights":
                 snapshot.policy_version, self.weights_file = rec["version"], rec["file"]
+                for gid, i in rec.get("restart", ()):  # the push's carry-over started these over
+                    group = groups.get(gid)
+                    if group is not None and group.requests[i].finish_reason is None:
+                        group.requests[i].reset()
             elif kind == "done":
                 for gid in rec["groups"]:
                     done[gid] = None
@@ -413,11 +417,15 @@ class DurableState:
             os.close(fd)
         return name
 
-    async def record_weights(self, version: int, file: str | None) -> None:
-        """Record `version` live (its weights in `file`), durably; then drop
-        the previous version's file."""
+    async def record_weights(self, version: int, file: str | None, restart: list[tuple[str, int]] = ()) -> None:
+        """Record `version` live (its weights in `file`) and the requests
+        (group id, index) its carry-over restarts, durably; then drop the
+        previous version's file."""
         previous, self.weights_file = self.weights_file, file
-        self.journal.append({"t": "weights", "version": version, "file": file})
+        record = {"t": "weights", "version": version, "file": file}
+        if restart:
+            record["restart"] = [list(r) for r in restart]
+        self.journal.append(record)
         await self.journal.commit()
         if previous and previous != file:
             (self.dir / previous).unlink(missing_ok=True)
