@@ -223,6 +223,9 @@ class RolloutCore:
         so a restart continues every partial response."""
         if self.durable is None:
             return
+        if self.durable.failure:
+            log.error("nothing saved at shutdown: %s", self.durable.failure)
+            return
         await self._tasks.cancel_all()
         for req, _ in list(self.running.values()):
             await self.preempt(req)
@@ -246,15 +249,22 @@ class RolloutCore:
         self.incarnation = durable.incarnation
         durable.rewrite_now(self.snapshot())
         durable.journal.on_durable.append(self._durable_upto)
+        durable.journal.on_error.append(self._journal_failed)
         self.delivery.on_ack = durable.record_ack
         self.weight_sync.store = durable
         self.durable = durable
         return snapshot is not None
 
     async def commit(self) -> None:
-        """Wait until everything recorded so far is durable (no-op without a state_dir)."""
+        """Wait until everything recorded so far is durable (no-op without a
+        state_dir); CoreError naming state_dir once the journal cannot be written."""
         if self.durable is not None:
-            await self.durable.journal.commit()
+            await self.durable.commit()
+
+    def _journal_failed(self, exc: BaseException) -> None:
+        """A journal write or fsync failed: streams end, once they have sent
+        every sample made durable before, with the failure (see `commit`)."""
+        self.delivery.fail(CoreError("failed_precondition", self.durable.failure))
 
     def _durable_upto(self, seq: int) -> None:
         """The journal made records up to `seq` durable: publish their samples,
@@ -318,6 +328,8 @@ class RolloutCore:
         """Enqueue groups; returns (group_id, created) per spec. A known
         group id is not created again (idempotent retries). Journaled
         unless `private` (durable once `commit()` returns)."""
+        if self.durable is not None and self.durable.failure and not private:
+            raise CoreError("failed_precondition", self.durable.failure)
         new = sum(s.num_samples for s in specs if not self.knows(s.group_id))
         self.delivery.maybe_prune()
         running = len(self.queue) + len(self.requests)
@@ -773,4 +785,5 @@ class RolloutCore:
             counters=dict(self.counters),
             placement_error=self.placement_error,
             placement_errors=self.counters["placement_errors"],
+            journal_error=self.durable.failure if self.durable is not None else "",
         )
