@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -428,11 +429,13 @@ class DurableState:
 
     # -- records -----------------------------------------------------------------
 
-    # Records are encoded here, on the event loop: the writer thread then
-    # holds the interpreter only to take them and to report them durable.
+    # Sample records are encoded here, on the event loop (a few microseconds
+    # each): the writer thread then holds the interpreter only to take them
+    # and to report them durable. A Submit's are encoded by the writer (a
+    # large Submit would hold the loop; a group's spec does not change).
 
     def record_submit(self, group: Group) -> int:
-        return self.journal.append(_submit_frame(group))
+        return self.journal.append(functools.partial(_submit_frame, group))
 
     def record_sample(self, cursor: int, sample: Sample, group_complete: bool) -> int:
         return self.journal.append(_sample_frame(cursor, sample, group_complete))
