@@ -9,8 +9,8 @@ that is not whole (a length past the end, a checksum that does not match):
 that torn tail, what a crash mid-write leaves, is cut off.
 
 Group commit: `append` buffers a record and returns at once; a writer
-thread writes what is buffered and fsyncs at most every `commit_interval_s`,
-so one fsync makes many records durable. `commit()` waits until everything
+thread writes what is buffered (synchronously: O_DSYNC) at most every
+`commit_interval_s`, so one disk sync makes many records durable. `commit()` waits until everything
 appended before it is durable; `on_durable` callbacks learn each committed
 sequence number (on the event loop); a write or fsync that fails stops the
 journal, fails every `commit()` and is handed to `on_error`. `rewrite` replaces the whole file with a snapshot's
@@ -112,7 +112,9 @@ def write_atomically(path: Path, chunks: Iterator[bytes] | list[bytes]) -> None:
 
 
 def _open_append(path: Path) -> int:
-    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    # O_DSYNC: each write returns once its data (and the file's new size) is
+    # on disk, so writing and syncing take the writer one system call.
+    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_DSYNC, 0o644)
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -123,15 +125,18 @@ def _write_all(fd: int, data: bytes) -> None:
 
 class Journal:
     """The append side of a journal file (opened after it was read and
-    rewritten: see `rewrite`). The event loop appends; a thread of its own
-    writes and fsyncs, so the loop never waits on the disk."""
+    rewritten: see `rewrite`). The event loop appends and decides when the
+    next commit starts; a thread of its own writes, so the loop never waits
+    on the disk. The thread takes the interpreter lock three times a commit
+    (woken, written, reported): each time is a switch away from a busy event
+    loop, so it is kept to that."""
 
     def __init__(self, path: Path, commit_interval_s: float) -> None:
         self.path = path
         self.commit_interval_s = commit_interval_s
         self.bytes_written = 0  # since the last rewrite
         self.on_durable: list[Callable[[int], None]] = []
-        self.error: BaseException | None = None  # the write or fsync that failed (the journal stops)
+        self.error: BaseException | None = None  # the write that failed (the journal stops)
         self.on_error: list[Callable[[BaseException], None]] = []
         self._fd: int | None = None  # unbuffered: after a failed write nothing is left to flush
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -143,10 +148,12 @@ class Journal:
         self._appended = 0  # sequence number of the last record appended
         self._rewrite: tuple[list[bytes], int] | None = None
         self._closing = False
-        self._idle = False  # the writer waits for a record
+        self._idle = True  # the writer waits to be started on a commit
+        self._started_at = -1e9  # time.monotonic() when the last commit started (set by the writer)
         # The event loop's own:
         self._durable = 0  # sequence number of the last record made durable
         self._waiters: list[tuple[int, asyncio.Future]] = []
+        self._kick_at: asyncio.TimerHandle | None = None
 
     @property
     def appended(self) -> int:
@@ -164,14 +171,32 @@ class Journal:
             if self.error is None:  # after a failure nothing is written: nothing is kept
                 self._buffer.append(record)
             self._appended += 1
-            if self._idle:
+            seq = self._appended
+        self._schedule()
+        return seq
+
+    def _schedule(self) -> None:
+        """Start a commit of what is buffered once the writer is idle and
+        the last commit started at least `commit_interval_s` ago (group
+        commit: what is appended meanwhile rides along)."""
+        if self._kick_at is not None or self._loop is None or not self._idle or not self._buffer:
+            return
+        wait = self._started_at + self.commit_interval_s - time.monotonic()
+        if wait > 0:
+            self._kick_at = self._loop.call_later(wait, self._kick)
+        else:
+            self._kick()
+
+    def _kick(self) -> None:
+        self._kick_at = None
+        with self._lock:
+            if self._idle and (self._buffer or self._rewrite is not None):
                 self._idle = False
                 self._pending.notify()
-            return self._appended
 
     async def commit(self) -> None:
-        """Wait until every record appended so far is on disk (fsynced);
-        raises the journal's error once a write or fsync failed."""
+        """Wait until every record appended so far is on disk; raises the
+        journal's error once a write failed."""
         target = self._appended
         if self._durable >= target:
             return
@@ -186,9 +211,13 @@ class Journal:
         self._fd = _open_append(self.path)
         self._thread = threading.Thread(target=self._writer, name="journal", daemon=True)
         self._thread.start()
+        self._schedule()
 
     async def close(self) -> None:
-        """Write and fsync what is buffered, then close the file."""
+        """Write what is buffered, then close the file."""
+        if self._kick_at is not None:
+            self._kick_at.cancel()
+            self._kick_at = None
         if self._thread is not None:
             with self._lock:
                 self._closing = True
@@ -201,25 +230,17 @@ class Journal:
             self._fd = None
 
     def _writer(self) -> None:
-        """The writer thread: group commit, at most one fsync per interval
-        (counted from the start of the last one); what is appended meanwhile
-        rides along."""
-        last = 0.0
+        """The writer thread: one commit each time the loop starts one."""
         while True:
             with self._lock:
-                while not self._buffer and self._rewrite is None and not self._closing:
-                    self._idle = True
+                while self._idle and not self._closing:
                     self._pending.wait()
                 if not self._buffer and self._rewrite is None:
                     return  # closing, all written
-            wait = last + self.commit_interval_s - time.monotonic()
-            if wait > 0 and not self._closing:
-                time.sleep(wait)
-            last = time.monotonic()
-            with self._lock:
                 records, self._buffer = self._buffer, []
                 rewrite, self._rewrite = self._rewrite, None
                 seq = self._appended
+                self._started_at = time.monotonic()
             try:
                 if rewrite is not None:
                     os.close(self._fd)
@@ -230,12 +251,13 @@ class Journal:
                 if records:
                     data = b"".join([r if isinstance(r, bytes) else r() for r in records])
                     _write_all(self._fd, data)
-                    os.fsync(self._fd)
                     self.bytes_written += len(data)
             except BaseException as exc:  # a full or failing disk: the journal stops here
                 self.error = exc
                 self._call(self._failed, exc)
                 return
+            with self._lock:
+                self._idle = True
             self._call(self._done, seq)
 
     def _call(self, fn: Callable, arg) -> None:
@@ -257,6 +279,7 @@ class Journal:
             self._waiters = keep
         for callback in self.on_durable:
             callback(seq)
+        self._schedule()  # what was appended during this commit
 
     def _failed(self, exc: BaseException) -> None:
         log.error("journal %s: write failed: %s; nothing more is recorded until a restart", self.path, exc)
@@ -275,4 +298,6 @@ class Journal:
         with self._lock:
             self._buffer = []
             self._rewrite = (records, self._appended)
-            self._pending.notify()
+            if self._idle:
+                self._idle = False
+                self._pending.notify()

@@ -146,6 +146,7 @@ class RolloutCore:
         # Constant while state_dir survives; new at every start without one.
         self.incarnation = uuid.uuid4().hex[:16]
         self._unpublished: deque[tuple[int, int]] = deque()  # (journal sequence, cursor) not yet durable
+        self._dispatch_at = 0  # journal sequence of the last Submit record: dispatch once it is durable
 
     # -- the parts, as attributes callers know -------------------------------------
 
@@ -274,6 +275,9 @@ class RolloutCore:
             cursor = self._unpublished.popleft()[1]
         if cursor:
             self.delivery.publish(cursor)
+        if self._dispatch_at and seq >= self._dispatch_at:
+            self._dispatch_at = 0
+            self._wake.set()
         if self.durable.due():
             self.durable.compact(self.snapshot())
 
@@ -361,11 +365,14 @@ class RolloutCore:
                 self.queue.append(req)
             self.groups[spec.group_id] = group
             if self.durable is not None and not private:
-                self.durable.record_submit(group)
+                self._dispatch_at = self.durable.record_submit(group)
             self.counters["groups_submitted"] += 1
             self.counters["samples_submitted"] += spec.num_samples
             out.append((spec.group_id, True))
-        self._wake.set()
+        if self.durable is None or private:
+            self._wake.set()
+        # else woken once the Submit is durable (`_durable_upto`): its reply,
+        # not the dispatch of its groups, comes first.
         return out
 
     def submit_private(self, spec: GroupSpec) -> Group:
