@@ -263,7 +263,7 @@ class RolloutCore:
             await self.durable.commit()
 
     def _journal_failed(self, exc: BaseException) -> None:
-        """A journal write or fsync failed: streams end, once they have sent
+        """A journal write failed: streams end, once they have sent
         every sample made durable before, with the failure (see `commit`)."""
         self.delivery.fail(CoreError("failed_precondition", self.durable.failure))
 
