@@ -250,6 +250,32 @@ async def test_replay_and_compaction_give_back_each_sample_as_recorded(tmp_path)
     assert [dataclasses.asdict(e.sample) for e in again.entries] == [dataclasses.asdict(plain), dataclasses.asdict(sample)]
 
 
+async def test_a_compaction_while_the_writer_is_busy_keeps_what_came_after_it(tmp_path):
+    """The journal is rewritten as a snapshot while records are being
+    written: every commit completes (bounded), and a reopen gives back the
+    snapshot and what was appended after it, in order."""
+    from rollout_service.core.delivery import Consumer
+    from rollout_service.core.durable import DurableState
+    from rollout_service.core.snapshot import CoreSnapshot
+
+    state = DurableState(str(tmp_path), 0.0)
+    assert state.open() is None
+    state.rewrite_now(CoreSnapshot(policy_version=0))
+    state.journal.start()
+    for round_ in range(20):
+        for i in range(50):
+            state.record_ack("a", round_ * 100 + i)
+        await asyncio.sleep(0.0005)  # the writer takes them, and may be writing them
+        # The snapshot says "b" acknowledged what "a" did: "a" is in it no more.
+        state.compact(CoreSnapshot(policy_version=0, consumers=[Consumer("b", round_ * 100 + 49)]))
+        await asyncio.wait_for(state.journal.commit(), 10)
+    state.record_ack("a", 5000)
+    await asyncio.wait_for(state.journal.commit(), 10)
+    await state.journal.close()
+    again = DurableState(str(tmp_path), 0.0).open()
+    assert sorted((c.consumer_id, c.acked) for c in again.consumers) == [("a", 5000), ("b", 1949)]
+
+
 async def test_a_torn_tail_is_cut_and_what_came_before_it_survives(tmp_path):
     from rollout_service.core.journal import frame
 

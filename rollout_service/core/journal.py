@@ -176,10 +176,12 @@ class Journal:
         return seq
 
     def _schedule(self) -> None:
-        """Start a commit of what is buffered once the writer is idle and
-        the last commit started at least `commit_interval_s` ago (group
-        commit: what is appended meanwhile rides along)."""
-        if self._kick_at is not None or self._loop is None or not self._idle or not self._buffer:
+        """Start a commit of what is buffered (or a rewrite) once the writer
+        is idle and the last commit started at least `commit_interval_s` ago
+        (group commit: what is appended meanwhile rides along)."""
+        if self._kick_at is not None or self._loop is None or not self._idle:
+            return
+        if not self._buffer and self._rewrite is None:
             return
         wait = self._started_at + self.commit_interval_s - time.monotonic()
         if wait > 0:
