@@ -435,7 +435,7 @@ class DurableState:
     # large Submit would hold the loop; a group's spec does not change).
 
     def record_submit(self, group: Group) -> int:
-        return self.journal.append(_submit_frame(group))
+        return self.journal.append(functools.partial(_submit_frame, group))
 
     def record_sample(self, cursor: int, sample: Sample, group_complete: bool) -> int:
         return self.journal.append(_sample_frame(cursor, sample, group_complete))
