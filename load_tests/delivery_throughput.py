@@ -3,7 +3,7 @@
 Starts the service on simulated engines whose steps cost (almost) nothing, so
 the figure measures the service itself: core bookkeeping, delivery log,
 protobuf encoding, gRPC streaming and the client's decoding. Each size runs
-without and with a `state_dir` (the write-ahead journal, fsynced by group
+without and with a `state_dir` (the write-ahead journal, synced by group
 commit) side by side, and prints the journal's cost as the ratio.
 
     python -m load_tests.delivery_throughput [--quick] [--report DIR]

@@ -115,7 +115,7 @@ class ServiceConfig:
     weights_file_dirs: list[str] = field(default_factory=list)
     http_request_timeout_s: float = 1800.0  # an OpenAI/vLLM HTTP request running longer is aborted
     state_dir: str = ""  # the journal and the last pushed weights, kept across restarts ("" = nothing kept)
-    journal_commit_ms: float = 2.0  # group commit: the journal fsyncs at most this often (milliseconds)
+    journal_commit_ms: float = 2.0  # group commit: the journal writes (O_DSYNC) at most this often (milliseconds)
     staging_dir: str = ""  # where pushed weights are staged ("" = /dev/shm, else the temporary directory)
     log_level: str = "INFO"
     engine: EngineConfig = field(default_factory=EngineConfig)

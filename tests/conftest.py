@@ -47,6 +47,10 @@ SLOW = {
         "~6 s: a server started twice as a subprocess",
     "test_crash_restart.py::test_a_restart_without_state_dir_raises_service_restarted_naming_the_groups":
         "~6 s: a server started twice as a subprocess",
+    "test_crash_restart.py::test_a_trajectory_a_weight_push_restarted_stays_restarted_after_a_sigkill":
+        "~8 s: a server started twice as a subprocess",
+    "test_crash_restart.py::test_a_journal_that_cannot_be_written_fails_submit_and_the_stream_naming_state_dir":
+        "~8 s: a server started twice as a subprocess",
     "test_collective_sharded.py::test_every_rank_of_a_sharded_trainer_takes_part_and_learns_the_applied_version":
         "~5 s: two trainer ranks with torch.distributed",
     "test_tiny_model.py::test_sampled_batch_pass_rate_and_long_tail": "~12 s: a batch sampled with transformers",

@@ -35,10 +35,19 @@ class Server:
             self.args += ["--set", f'state_dir="{state_dir}"']
         self.proc: subprocess.Popen | None = None
         self.address = f"127.0.0.1:{self.grpc_port}"
+        self.max_file_bytes: int | None = None  # RLIMIT_FSIZE of the next start: writes past it fail (EFBIG)
 
     def start(self) -> "Server":
+        limit = self.max_file_bytes
+
+        def limit_files() -> None:
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
         self.proc = subprocess.Popen(self.args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                     preexec_fn=limit_files if limit is not None else None)
         return self
 
     def kill(self) -> None:
@@ -204,7 +213,7 @@ async def test_replay_and_compaction_give_back_each_sample_as_recorded(tmp_path)
     from rollout_service.lifecycle.types import Group, GroupSpec, MultiTurnSpec, Sample, Turn
     from rollout_service.lifecycle.versions import VersionTags
 
-    spec = GroupSpec("g", [1, 5, 6, 7], 2, SamplingParams(max_tokens=20, stop_token_ids=(3,), stop=("x",)),
+    spec = GroupSpec("g", [1, 5, 6, 7], 3, SamplingParams(max_tokens=20, stop_token_ids=(3,), stop=("x",)),
                      metadata={"k": "v"}, batch_id="b", multi_turn=MultiTurnSpec(max_turns=2))
     group = Group(spec, submitted_at=1.5)
     logprobs = array("f", [-0.25 * i for i in range(10)]).tolist()  # float32, as the wire carries them
@@ -215,17 +224,22 @@ async def test_replay_and_compaction_give_back_each_sample_as_recorded(tmp_path)
                     batch_id="b", turns=[Turn("generated", 0, 6, "sim-0", FinishReason.STOP, 1.0, 2.0),
                                          Turn("observation", 6, 4)],
                     loss_mask=[1] * 6 + [0] * 4)
+    # A single-turn sample (its record's JSON written directly), quoting and non-ASCII text included.
+    plain = dataclasses.replace(sample, sample_id="g/0", index=0, versions=VersionTags([[1, 0, 10]]), turns=[],
+                                loss_mask=[], engines=["sim-0", "sim-1"], response_text='é "q"\n', drop_reason="d")
     state = DurableState(str(tmp_path), 0.002)
     assert state.open() is None
     state.rewrite_now(CoreSnapshot(policy_version=0))  # the header, as at a start
     state.journal.start()
     state.record_submit(group)
+    state.record_sample(6, plain, False)
     state.record_sample(7, sample, False)
     await state.journal.commit()
     await state.journal.close()
     snapshot = DurableState(str(tmp_path), 0.002).open()
     assert [g.spec for g in snapshot.groups] == [spec]
-    assert [(e.cursor, dataclasses.asdict(e.sample)) for e in snapshot.entries] == [(7, dataclasses.asdict(sample))]
+    assert [(e.cursor, dataclasses.asdict(e.sample)) for e in snapshot.entries] == [
+        (6, dataclasses.asdict(plain)), (7, dataclasses.asdict(sample))]
     # Compacted once the group is done: its prompt comes with its retained sample.
     snapshot.groups, snapshot.done_group_ids = [], ["g"]
     state = DurableState(str(tmp_path), 0.002)
@@ -233,7 +247,33 @@ async def test_replay_and_compaction_give_back_each_sample_as_recorded(tmp_path)
     state.rewrite_now(snapshot)
     again = DurableState(str(tmp_path), 0.002).open()
     assert not again.groups and again.done_group_ids == ["g"]
-    assert [dataclasses.asdict(e.sample) for e in again.entries] == [dataclasses.asdict(sample)]
+    assert [dataclasses.asdict(e.sample) for e in again.entries] == [dataclasses.asdict(plain), dataclasses.asdict(sample)]
+
+
+async def test_a_compaction_while_the_writer_is_busy_keeps_what_came_after_it(tmp_path):
+    """The journal is rewritten as a snapshot while records are being
+    written: every commit completes (bounded), and a reopen gives back the
+    snapshot and what was appended after it, in order."""
+    from rollout_service.core.delivery import Consumer
+    from rollout_service.core.durable import DurableState
+    from rollout_service.core.snapshot import CoreSnapshot
+
+    state = DurableState(str(tmp_path), 0.0)
+    assert state.open() is None
+    state.rewrite_now(CoreSnapshot(policy_version=0))
+    state.journal.start()
+    for round_ in range(20):
+        for i in range(50):
+            state.record_ack("a", round_ * 100 + i)
+        await asyncio.sleep(0.0005)  # the writer takes them, and may be writing them
+        # The snapshot says "b" acknowledged what "a" did: "a" is in it no more.
+        state.compact(CoreSnapshot(policy_version=0, consumers=[Consumer("b", round_ * 100 + 49)]))
+        await asyncio.wait_for(state.journal.commit(), 10)
+    state.record_ack("a", 5000)
+    await asyncio.wait_for(state.journal.commit(), 10)
+    await state.journal.close()
+    again = DurableState(str(tmp_path), 0.0).open()
+    assert sorted((c.consumer_id, c.acked) for c in again.consumers) == [("a", 5000), ("b", 1949)]
 
 
 async def test_a_torn_tail_is_cut_and_what_came_before_it_survives(tmp_path):
@@ -293,6 +333,89 @@ async def test_weights_after_a_restart_are_the_last_pushed_or_the_version_really
         print(server.stop())
     assert status.policy_version == 0
     assert all(v == 0 for s in got for v, _, _ in s.versions)
+
+
+async def test_a_trajectory_a_weight_push_restarted_stays_restarted_after_a_sigkill(tmp_path):
+    """carry_over.mode="restart": a trajectory waiting for an answer to its
+    turn 0 starts over at a push. Killed right after the push, the service
+    comes back with the trajectory started over under the new version (a
+    fresh turn-0 event), not waiting on the discarded turn."""
+    from trainer_client import MultiTurn
+
+    server = Server(tmp_path, 0.004, "--set", 'carry_over.mode="restart"').start()
+    group = PromptGroup(prompt_token_ids=[1, 5, 6], num_samples=1, max_tokens=300, group_id="traj",
+                        metadata={"sim.target_lengths": "300"}, multi_turn=MultiTurn(max_turns=2))
+    try:
+        async with RolloutClient(server.address, consumer_id="t", reconnect_timeout_s=60) as client:
+            await client.wait_ready(60)
+            await client.submit([group])
+            events: list = []
+            await asyncio.wait_for(_consume(client, events, 1, ack_every=1), 30)
+            assert events[0].awaiting_observation and {v for v, _, _ in events[0].versions} == {0}
+            await client.push_weights(WEIGHTS, version=1)  # turn 0 is discarded: 1.2 s to generate again
+            server.kill()
+            server.start()
+            await client.wait_ready(60)
+            again: list = []
+            await asyncio.wait_for(_consume(client, again, 1, ack_every=1), 30)
+    finally:
+        print(server.stop())
+    turn = again[0]
+    assert turn.sample_id == "traj/0" and turn.awaiting_observation
+    assert {v for v, _, _ in turn.versions} == {1}, "turn 0 generated again under the pushed version"
+    assert len(turn.response_token_ids) == 300
+
+
+async def test_a_journal_that_cannot_be_written_fails_submit_and_the_stream_naming_state_dir(tmp_path):
+    """The kernel refuses the journal's writes past 64 KiB (RLIMIT_FSIZE,
+    as a full disk would): the stream sends what was recorded, then ends
+    with FAILED_PRECONDITION naming state_dir; Submit and Ack fail the same
+    way; GetStatus and /readyz say so; a restart without the limit gives
+    back every sample streamed before, under its cursor."""
+    import aiohttp
+    import grpc
+
+    server = Server(tmp_path, 0.001)
+    server.max_file_bytes = 64 * 1024
+    server.start()
+    got: list = []
+    try:
+        async with RolloutClient(server.address, consumer_id="c", reconnect_timeout_s=5) as client:
+            await client.wait_ready(60)
+            await client.submit(_groups("f", 10, samples=4, length=20, spread=5))  # ~25 KiB with its samples
+            with pytest.raises(grpc.aio.AioRpcError) as submit_error:
+                for i in range(30):  # ~24 KiB more each
+                    await client.submit(_groups(f"f{i}_", 10, samples=4, length=20, spread=5))
+            with pytest.raises(grpc.aio.AioRpcError) as stream_error:
+                async with asyncio.timeout(60):
+                    async for s in client.stream(ack_every=1 << 62):
+                        got.append((s.cursor, s.sample_id))
+            with pytest.raises(grpc.aio.AioRpcError) as ack_error:
+                await client.ack(got[-1][0])
+            status = await client.status()
+            async with aiohttp.ClientSession() as http:
+                async with http.get(f"http://127.0.0.1:{server.http_port}/readyz") as r:
+                    ready, ready_body = r.status, await r.text()
+    finally:
+        err = server.stop()
+    for exc in (stream_error.value, submit_error.value, ack_error.value):
+        details = exc.details()
+        assert exc.code() == grpc.StatusCode.FAILED_PRECONDITION, (exc.code(), details)
+        assert f"state_dir {str(tmp_path)!r}: the journal cannot be written (File too large)" in details
+        assert "/" not in details.replace(str(tmp_path), ""), "no path but state_dir's"
+    assert len(got) >= 10, "what was recorded streamed"
+    assert status.journal_error == submit_error.value.details()
+    assert ready == 503 and '"journal_failed": true' in ready_body and "File too large" not in ready_body
+    assert "Traceback" not in err
+    # Without the limit: every sample streamed before the failure was on disk, under its cursor.
+    server.max_file_bytes = None
+    server.start()
+    try:
+        seen: dict[int, str] = {}
+        await asyncio.wait_for(_snoop(server.address, seen, len(got)), 60)
+    finally:
+        print(server.stop())
+    assert all(seen.get(cursor) == sample_id for cursor, sample_id in got)
 
 
 async def _retry(what: str, call, timeout: float = 90.0):

@@ -306,7 +306,8 @@ class ServiceStatus:
     have not acknowledged them. `counters` by name (samples_completed,
     tokens_generated, ...); `uptime_s` in seconds; `spec` is None when the
     engines do not speculate; `incarnation` is constant while the service's
-    state_dir survives (see ServiceRestarted)."""
+    state_dir survives (see ServiceRestarted); `journal_error` says why
+    state_dir cannot be written ("" while it can)."""
 
     policy_version: int
     model: str
@@ -321,6 +322,7 @@ class ServiceStatus:
     counters: dict[str, int] = field(default_factory=dict)
     spec: SpecStatus | None = None
     incarnation: str = ""
+    journal_error: str = ""
 
     @classmethod
     def from_pb(cls, st) -> "ServiceStatus":
@@ -331,4 +333,5 @@ class ServiceStatus:
             retained_samples=st.retained_samples, uptime_s=st.uptime_s,
             counters={k: round(v) for k, v in st.counters.items()},  # whole counts, sent as doubles
             spec=SpecStatus.from_pb(st.spec) if st.HasField("spec") else None, incarnation=st.incarnation,
+            journal_error=st.journal_error,
         )

@@ -20,13 +20,14 @@ if TYPE_CHECKING:
 
 def readiness(st: CoreStatus) -> dict:
     """/readyz's body: ready when every engine is up (ready or updating
-    weights) and the last dispatch to an engine did not fail. Open to
-    callers without a token: states and counts only, no error text (the
-    last placement error is in /v1/status)."""
+    weights), the last dispatch to an engine did not fail and state_dir's
+    journal can be written. Open to callers without a token: states and
+    counts only, no error text (the last placement error and the journal's
+    are in /v1/status)."""
     states = [e.load.state for e in st.engines]
     engines_up = bool(states) and all(s in ("ready", "updating") for s in states)
-    return {"ready": engines_up and not st.placement_error, "engines": states,
-            "placement_errors": st.placement_errors}
+    return {"ready": engines_up and not st.placement_error and not st.journal_error, "engines": states,
+            "placement_errors": st.placement_errors, "journal_failed": bool(st.journal_error)}
 
 
 def make_app(core: RolloutCore, openai: "OpenAIFrontEnd | None" = None,

@@ -70,9 +70,9 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         try:
             specs = await validation.submit_request_off_loop(request, self.limits, self.tokenizer)
             results = self.core.submit(specs)
+            await self.core.commit()  # with a state_dir: the groups are journaled before the reply
         except (FieldError, TooLarge, CoreError) as exc:
             await _fail(context, exc)
-        await self.core.commit()  # with a state_dir: the groups are journaled before the reply
         return pb.SubmitResponse(group_ids=[g for g, _ in results], created=[c for _, c in results],
                                  incarnation=self.core.incarnation)
 
@@ -94,7 +94,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                     awaiting_observation=entry.sample.awaiting_observation,
                     incarnation=incarnation,
                 )
-        except CoreError as exc:  # fallen behind its acks, or dropped as silent
+        except CoreError as exc:  # fallen behind its acks, dropped as silent, or state_dir cannot be written
             await _fail(context, exc)
 
     async def Ack(self, request: pb.AckRequest, context) -> pb.AckResponse:
@@ -103,7 +103,10 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         except FieldError as exc:
             await _fail(context, exc)
         acked = self.core.delivery.ack(consumer, request.cursor)
-        await self.core.commit()  # with a state_dir: journaled before the reply
+        try:
+            await self.core.commit()  # with a state_dir: journaled before the reply
+        except CoreError as exc:  # state_dir cannot be written
+            await _fail(context, exc)
         return pb.AckResponse(acked_cursor=acked)
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:

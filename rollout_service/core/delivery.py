@@ -65,6 +65,7 @@ class DeliveryLog:
         self._visible = 0  # streams see cursors up to this one
         self._consumers: dict[str, Consumer] = {}
         self._changed = asyncio.Event()
+        self._failure: CoreError | None = None  # raised by streams that have sent every visible sample
         # Called with (consumer id, acked cursor) when an ack moves a cursor (the journal).
         self.on_ack: Callable[[str, int], object] | None = None
 
@@ -95,6 +96,12 @@ class DeliveryLog:
         if cursor > self._visible:
             self._visible = min(cursor, self._last)
             self._wake()
+
+    def fail(self, error: CoreError) -> None:
+        """No more samples will become visible: every stream, once it has
+        sent the visible ones, ends with `error`."""
+        self._failure = error
+        self._wake()
 
     def entries(self) -> list[Entry]:
         """The retained entries, in cursor order."""
@@ -176,7 +183,8 @@ class DeliveryLog:
     async def stream(self, consumer_id: str, from_cursor: int = 0) -> AsyncIterator[Entry]:
         """Yield entries above max(acked, from_cursor), then new ones as they
         come; CoreError when the consumer falls `max_unacked_samples` behind
-        its acks for `unacked_wait_s`, or is dropped as silent (see above)."""
+        its acks for `unacked_wait_s`, is dropped as silent (see above), or
+        has every visible entry after `fail`."""
         c = self.consumer(consumer_id)
         c.streams += 1
         position = max(c.acked, from_cursor)
@@ -195,6 +203,8 @@ class DeliveryLog:
                     self._check(c)
                 else:
                     if not batch:
+                        if self._failure is not None:
+                            raise self._failure
                         c.idle += 1
                         try:
                             await changed.wait()

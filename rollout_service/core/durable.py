@@ -30,11 +30,13 @@ import base64
 import dataclasses
 import functools
 import logging
+import math
 import os
 import struct
 import sys
 import uuid
 from array import array
+from json.encoder import encode_basestring_ascii as _json_str  # a str as json.dumps writes it
 from pathlib import Path
 
 from rollout_service.core.delivery import Consumer, Entry
@@ -45,13 +47,14 @@ from rollout_service.core.journal import (
     FORMAT_VERSION,
     check_header,
     frame,
+    frame_payload,
     read,
     write_atomically,
 )
 from rollout_service.core.snapshot import CoreSnapshot
 from rollout_service.engines.types import FinishReason, SamplingParams
 from rollout_service.engines.weights import StagedWeights, read_safetensors, split_and_verify, write_safetensors
-from rollout_service.lifecycle.types import Group, GroupSpec, MultiTurnSpec, Request, Sample, Turn
+from rollout_service.lifecycle.types import CoreError, Group, GroupSpec, MultiTurnSpec, Request, Sample, Turn
 from rollout_service.lifecycle.versions import VersionTags
 
 log = logging.getLogger(__name__)
@@ -167,12 +170,33 @@ def _sample_frame(cursor: int, s: Sample, group_complete: bool) -> bytes:
     """A sample record, framed: its own fields as a JSON list; response
     token ids (int32), logprobs (float32) and loss mask (a byte each)
     packed after it."""
-    values = [s.group_id, s.index, s.versions.segments, int(s.finish_reason), s.engines, s.num_migrations,
-              s.queued_at, s.first_token_at, s.finished_at, s.draft_tokens, s.accepted_tokens, s.response_text,
-              s.drop_reason, [_turn_dict(t) for t in s.turns] if s.turns else [], s.awaiting_observation]
     blob = b"".join((_pack_ints(s.response_token_ids), _pack_floats(s.logprobs), bytes(s.loss_mask)))
-    return frame({"t": "sample", "c": cursor, "gc": group_complete, "s": values,
-                  "n": (len(s.response_token_ids), len(s.logprobs))}, blob)
+    payload = _sample_json(cursor, s, group_complete)
+    if payload is None:
+        values = [s.group_id, s.index, s.versions.segments, int(s.finish_reason), s.engines, s.num_migrations,
+                  s.queued_at, s.first_token_at, s.finished_at, s.draft_tokens, s.accepted_tokens, s.response_text,
+                  s.drop_reason, [_turn_dict(t) for t in s.turns] if s.turns else [], s.awaiting_observation]
+        return frame({"t": "sample", "c": cursor, "gc": group_complete, "s": values,
+                      "n": (len(s.response_token_ids), len(s.logprobs))}, blob)
+    return frame_payload(payload, blob)
+
+
+def _sample_json(cursor: int, s: Sample, group_complete: bool) -> bytes | None:
+    """The JSON `frame` writes for a single-turn sample record (times as
+    floats), written directly: every sample takes this path before it is
+    streamed, and the generic encoder takes twice as long. None for what
+    it does not cover (turns, times that are not finite)."""
+    times = [float(s.queued_at), float(s.first_token_at), float(s.finished_at)]
+    if s.turns or not all(map(math.isfinite, times)):
+        return None
+    segments = ",".join([f"[{v:d},{a:d},{n:d}]" for v, a, n in s.versions.segments])
+    engines = ",".join(map(_json_str, s.engines))
+    return (f'{{"t":"sample","c":{cursor:d},"gc":{"true" if group_complete else "false"},"s":['
+            f'{_json_str(s.group_id)},{s.index:d},[{segments}],{int(s.finish_reason):d},[{engines}],'
+            f'{s.num_migrations:d},{times[0]!r},{times[1]!r},{times[2]!r},{s.draft_tokens:d},{s.accepted_tokens:d},'
+            f'{_json_str(s.response_text)},{_json_str(s.drop_reason)},[],'
+            f'{"true" if s.awaiting_observation else "false"}],'
+            f'"n":[{len(s.response_token_ids):d},{len(s.logprobs):d}]}}').encode()
 
 
 def _sample_from(rec: dict, group: _GroupInfo) -> Sample:
@@ -327,6 +351,10 @@ class DurableState:
                         done[gid] = None
             elif kind == "weights":
                 snapshot.policy_version, self.weights_file = rec["version"], rec["file"]
+                for gid, i in rec.get("restart", ()):  # the push's carry-over started these over
+                    group = groups.get(gid)
+                    if group is not None and group.requests[i].finish_reason is None:
+                        group.requests[i].reset()
             elif kind == "done":
                 for gid in rec["groups"]:
                     done[gid] = None
@@ -373,16 +401,44 @@ class DurableState:
             if p.name != keep:
                 p.unlink(missing_ok=True)
 
+    # -- failure -----------------------------------------------------------------
+
+    @property
+    def failure(self) -> str:
+        """"" while the journal works; once a write or fsync failed, what a
+        client is told: state_dir as configured, the system's reason, what
+        to do (no other path)."""
+        exc = self.journal.error if self.journal is not None else None
+        if exc is None:
+            return ""
+        reason = (exc.strerror or os.strerror(exc.errno)) if isinstance(exc, OSError) and exc.errno else \
+            type(exc).__name__
+        return (f"state_dir {str(self.dir)!r}: the journal cannot be written ({reason}); nothing more is recorded, "
+                f"so nothing more is accepted or streamed: free space or repair the disk, then restart the service "
+                f"(what was recorded is kept)")
+
+    async def commit(self) -> None:
+        """Wait until everything recorded so far is durable; CoreError
+        (failed_precondition, `failure`) once the journal cannot be written."""
+        try:
+            await self.journal.commit()
+        except Exception:
+            if self.journal.error is None:
+                raise
+            raise CoreError("failed_precondition", self.failure) from None
+
     # -- records -----------------------------------------------------------------
 
-    # Submit and sample records are encoded in the journal's worker thread:
-    # a group's spec and a delivered sample do not change once recorded.
+    # Sample records are encoded here, on the event loop (a few microseconds
+    # each): the writer thread then holds the interpreter only to take them
+    # and to report them durable. A Submit's are encoded by the writer (a
+    # large Submit would hold the loop; a group's spec does not change).
 
     def record_submit(self, group: Group) -> int:
         return self.journal.append(functools.partial(_submit_frame, group))
 
     def record_sample(self, cursor: int, sample: Sample, group_complete: bool) -> int:
-        return self.journal.append(functools.partial(_sample_frame, cursor, sample, group_complete))
+        return self.journal.append(_sample_frame(cursor, sample, group_complete))
 
     def record_ack(self, consumer_id: str, cursor: int) -> int:
         return self.journal.append({"t": "ack", "consumer": consumer_id, "c": cursor})
@@ -413,12 +469,20 @@ class DurableState:
             os.close(fd)
         return name
 
-    async def record_weights(self, version: int, file: str | None) -> None:
-        """Record `version` live (its weights in `file`), durably; then drop
-        the previous version's file."""
+    async def record_weights(self, version: int, file: str | None, restart: list[tuple[str, int]] = ()) -> None:
+        """Record `version` live (its weights in `file`) and the requests
+        (group id, index) its carry-over restarts, durably; then drop the
+        previous version's file."""
         previous, self.weights_file = self.weights_file, file
-        self.journal.append({"t": "weights", "version": version, "file": file})
-        await self.journal.commit()
+        record = {"t": "weights", "version": version, "file": file}
+        if restart:
+            record["restart"] = [list(r) for r in restart]
+        self.journal.append(record)
+        try:
+            await self.commit()
+        except CoreError as exc:  # the version serves all the same: its tags must say so
+            log.error("version %d is live but not recorded: %s", version, exc)
+            return
         if previous and previous != file:
             (self.dir / previous).unlink(missing_ok=True)
 

@@ -8,12 +8,12 @@ version and the service's incarnation. Reading stops at the first record
 that is not whole (a length past the end, a checksum that does not match):
 that torn tail, what a crash mid-write leaves, is cut off.
 
-Group commit: `append` buffers a record and returns at once; a writer task
-encodes (in a worker thread, for records handed over as encoders), writes
-what is buffered and fsyncs at most every `commit_interval_s`, so one fsync
-makes many records durable. `commit()` waits until everything
+Group commit: `append` buffers a record and returns at once; a writer
+thread writes what is buffered (synchronously: O_DSYNC) at most every
+`commit_interval_s`, so one disk sync makes many records durable. `commit()` waits until everything
 appended before it is durable; `on_durable` callbacks learn each committed
-sequence number. `rewrite` replaces the whole file with a snapshot's
+sequence number (on the event loop); a write or fsync that fails stops the
+journal, fails every `commit()` and is handed to `on_error`. `rewrite` replaces the whole file with a snapshot's
 records atomically (temporary file, fsync, rename, fsync of the directory).
 """
 from __future__ import annotations
@@ -23,6 +23,8 @@ import json
 import logging
 import os
 import struct
+import threading
+import time
 import zlib
 from pathlib import Path
 from typing import Callable, Iterator
@@ -41,9 +43,12 @@ class JournalError(ValueError):
 
 def frame(record: dict, blob: bytes = b"") -> bytes:
     """A framed record: `record` as JSON, then `blob` (binary) if any."""
-    payload = _encode(record).encode()
-    if blob:
-        payload = b"\n".join((payload, blob))
+    return frame_payload(_encode(record).encode(), blob)
+
+
+def frame_payload(json: bytes, blob: bytes = b"") -> bytes:
+    """A framed record from its JSON (compact, as `frame` writes it) and `blob`."""
+    payload = b"\n".join((json, blob)) if blob else json
     return _FRAME.pack(len(payload), zlib.crc32(payload)) + payload
 
 
@@ -106,44 +111,94 @@ def write_atomically(path: Path, chunks: Iterator[bytes] | list[bytes]) -> None:
     _fsync_dir(path.parent)
 
 
+def _open_append(path: Path) -> int:
+    # O_DSYNC: each write returns once its data (and the file's new size) is
+    # on disk, so writing and syncing take the writer one system call.
+    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_DSYNC, 0o644)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
 class Journal:
     """The append side of a journal file (opened after it was read and
-    rewritten: see `rewrite`)."""
+    rewritten: see `rewrite`). The event loop appends and decides when the
+    next commit starts; a thread of its own writes, so the loop never waits
+    on the disk. The thread takes the interpreter lock three times a commit
+    (woken, written, reported): each time is a switch away from a busy event
+    loop, so it is kept to that."""
 
     def __init__(self, path: Path, commit_interval_s: float) -> None:
         self.path = path
         self.commit_interval_s = commit_interval_s
         self.bytes_written = 0  # since the last rewrite
         self.on_durable: list[Callable[[int], None]] = []
-        self._file = None
+        self.error: BaseException | None = None  # the write that failed (the journal stops)
+        self.on_error: list[Callable[[BaseException], None]] = []
+        self._fd: int | None = None  # unbuffered: after a failed write nothing is left to flush
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        # Shared with the writer thread, under _lock:
+        self._lock = threading.Lock()
+        self._pending = threading.Condition(self._lock)
         self._buffer: list[bytes | Callable[[], bytes]] = []
         self._appended = 0  # sequence number of the last record appended
-        self._durable = 0  # ... and of the last one made durable
+        self._rewrite: tuple[list[bytes], int] | None = None
+        self._closing = False
+        self._idle = True  # the writer waits to be started on a commit
+        self._started_at = -1e9  # time.monotonic() when the last commit started (set by the writer)
+        # The event loop's own:
+        self._durable = 0  # sequence number of the last record made durable
         self._waiters: list[tuple[int, asyncio.Future]] = []
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task | None = None
-        self._closed = False
-        self._rewrite: list[bytes] | None = None
-        self._rewrite_seq = 0
-        self.error: BaseException | None = None
+        self._kick_at: asyncio.TimerHandle | None = None
 
     @property
     def appended(self) -> int:
         return self._appended
 
-    def append(self, record: dict | Callable[[], bytes]) -> int:
-        """Buffer a record: a dict (framed now), or a function returning the
-        framed record, called in the writer's worker thread (whatever it
-        reads must not change once appended). Returns the record's sequence
-        number (durable once an `on_durable` callback sees a number at least
-        as large)."""
-        self._buffer.append(frame(record) if isinstance(record, dict) else record)
-        self._appended += 1
-        self._wake.set()
-        return self._appended
+    def append(self, record: dict | bytes | Callable[[], bytes]) -> int:
+        """Buffer a record: a dict (framed now), framed bytes, or a function
+        returning them, called in the writer thread (whatever it reads must
+        not change once appended). Returns the record's sequence number
+        (durable once an `on_durable` callback sees a number at least as
+        large)."""
+        if isinstance(record, dict):
+            record = frame(record)
+        with self._lock:
+            if self.error is None:  # after a failure nothing is written: nothing is kept
+                self._buffer.append(record)
+            self._appended += 1
+            seq = self._appended
+        self._schedule()
+        return seq
+
+    def _schedule(self) -> None:
+        """Start a commit of what is buffered (or a rewrite) once the writer
+        is idle and the last commit started at least `commit_interval_s` ago
+        (group commit: what is appended meanwhile rides along)."""
+        if self._kick_at is not None or self._loop is None or not self._idle:
+            return
+        if not self._buffer and self._rewrite is None:
+            return
+        wait = self._started_at + self.commit_interval_s - time.monotonic()
+        if wait > 0:
+            self._kick_at = self._loop.call_later(wait, self._kick)
+        else:
+            self._kick()
+
+    def _kick(self) -> None:
+        self._kick_at = None
+        with self._lock:
+            if self._idle and (self._buffer or self._rewrite is not None):
+                self._idle = False
+                self._pending.notify()
 
     async def commit(self) -> None:
-        """Wait until every record appended so far is on disk (fsynced)."""
+        """Wait until every record appended so far is on disk; raises the
+        journal's error once a write failed."""
         target = self._appended
         if self._durable >= target:
             return
@@ -154,88 +209,97 @@ class Journal:
         await future
 
     def start(self) -> None:
-        self._file = open(self.path, "ab")
-        self._task = asyncio.get_running_loop().create_task(self._writer(), name="journal")
+        self._loop = asyncio.get_running_loop()
+        self._fd = _open_append(self.path)
+        self._thread = threading.Thread(target=self._writer, name="journal", daemon=True)
+        self._thread.start()
+        self._schedule()
 
     async def close(self) -> None:
-        """Write and fsync what is buffered, then close the file."""
-        if self._task is not None:
-            self._closed = True
-            self._wake.set()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
-        if self._file is not None and self.error is None:
-            await self._flush()
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        """Write what is buffered, then close the file."""
+        if self._kick_at is not None:
+            self._kick_at.cancel()
+            self._kick_at = None
+        if self._thread is not None:
+            with self._lock:
+                self._closing = True
+                self._pending.notify()
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
+            await asyncio.sleep(0)  # the writer's last callbacks run
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
-    def _write(self, records: list[bytes | Callable[[], bytes]]) -> int:
-        """Encode, write and fsync `records` (in a worker thread); returns the bytes written."""
-        data = b"".join([r if isinstance(r, bytes) else r() for r in records])
-        self._file.write(data)
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        return len(data)
+    def _writer(self) -> None:
+        """The writer thread: one commit each time the loop starts one."""
+        while True:
+            with self._lock:
+                while self._idle and not self._closing:
+                    self._pending.wait()
+                if not self._buffer and self._rewrite is None:
+                    return  # closing, all written
+                records, self._buffer = self._buffer, []
+                rewrite, self._rewrite = self._rewrite, None
+                seq = self._appended
+                self._started_at = time.monotonic()
+            try:
+                if rewrite is not None:
+                    os.close(self._fd)
+                    self._fd = None
+                    write_atomically(self.path, rewrite[0])
+                    self._fd = _open_append(self.path)
+                    self.bytes_written = 0
+                if records:
+                    data = b"".join([r if isinstance(r, bytes) else r() for r in records])
+                    _write_all(self._fd, data)
+                    self.bytes_written += len(data)
+            except BaseException as exc:  # a full or failing disk: the journal stops here
+                self.error = exc
+                self._call(self._failed, exc)
+                return
+            with self._lock:
+                self._idle = True
+            self._call(self._done, seq)
+
+    def _call(self, fn: Callable, arg) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, arg)
+        except RuntimeError:  # the loop is closed: nobody is waiting any more
+            pass
 
     def _done(self, seq: int) -> None:
         self._durable = seq
-        keep = []
-        for target, future in self._waiters:
-            if target <= seq:
-                if not future.done():
-                    future.set_result(None)
-            else:
-                keep.append((target, future))
-        self._waiters = keep
+        if self._waiters:
+            keep = []
+            for target, future in self._waiters:
+                if target <= seq:
+                    if not future.done():
+                        future.set_result(None)
+                else:
+                    keep.append((target, future))
+            self._waiters = keep
         for callback in self.on_durable:
             callback(seq)
+        self._schedule()  # what was appended during this commit
 
-    async def _writer(self) -> None:
-        loop = asyncio.get_running_loop()
-        last = 0.0
-        while not self._closed:
-            await self._wake.wait()
-            self._wake.clear()
-            if self._closed:
-                break
-            # Group commit: at most one fsync per interval (counted from the
-            # start of the last one); what arrives meanwhile rides along.
-            wait = last + self.commit_interval_s - loop.time()
-            if wait > 0:
-                await asyncio.sleep(wait)
-            last = loop.time()
-            try:
-                await self._flush()
-            except BaseException as exc:  # a full or failing disk: every waiter hears of it
-                self.error = exc
-                log.error("journal %s: write failed: %s; durability lost until restart", self.path, exc)
-                for _, future in self._waiters:
-                    if not future.done():
-                        future.set_exception(exc)
-                self._waiters.clear()
-                raise
-
-    async def _flush(self) -> None:
-        """Write (and fsync) a pending rewrite, then what is buffered. Only
-        the writer task (or `close`, after it) does file IO."""
-        if self._rewrite is not None:
-            records, seq, self._rewrite = self._rewrite, self._rewrite_seq, None
-            self._file.close()
-            await asyncio.to_thread(write_atomically, self.path, records)
-            self._file = open(self.path, "ab")
-            self.bytes_written = 0
-            self._done(max(seq, self._durable))
-        if self._buffer:
-            seq, records, self._buffer = self._appended, self._buffer, []
-            self.bytes_written += await asyncio.to_thread(self._write, records)
-            self._done(seq)
+    def _failed(self, exc: BaseException) -> None:
+        log.error("journal %s: write failed: %s; nothing more is recorded until a restart", self.path, exc)
+        for _, future in self._waiters:
+            if not future.done():
+                future.set_exception(exc)
+        self._waiters.clear()
+        for callback in self.on_error:
+            callback(exc)
 
     def rewrite(self, records: list[bytes]) -> None:
         """Replace the file with `records` (framed), atomically, at the next
         commit. Call it in the same step as the snapshot they come from:
         what is buffered now is covered by them and dropped; what is
         appended later goes to the new file after them."""
-        self._buffer = []
-        self._rewrite, self._rewrite_seq = records, self._appended
-        self._wake.set()
+        with self._lock:
+            self._buffer = []
+            self._rewrite = (records, self._appended)
+            if self._idle:
+                self._idle = False
+                self._pending.notify()

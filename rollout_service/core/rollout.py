@@ -146,6 +146,7 @@ class RolloutCore:
         # Constant while state_dir survives; new at every start without one.
         self.incarnation = uuid.uuid4().hex[:16]
         self._unpublished: deque[tuple[int, int]] = deque()  # (journal sequence, cursor) not yet durable
+        self._dispatch_at = 0  # journal sequence of the last Submit record: dispatch once it is durable
 
     # -- the parts, as attributes callers know -------------------------------------
 
@@ -223,6 +224,9 @@ class RolloutCore:
         so a restart continues every partial response."""
         if self.durable is None:
             return
+        if self.durable.failure:
+            log.error("nothing saved at shutdown: %s", self.durable.failure)
+            return
         await self._tasks.cancel_all()
         for req, _ in list(self.running.values()):
             await self.preempt(req)
@@ -246,15 +250,22 @@ class RolloutCore:
         self.incarnation = durable.incarnation
         durable.rewrite_now(self.snapshot())
         durable.journal.on_durable.append(self._durable_upto)
+        durable.journal.on_error.append(self._journal_failed)
         self.delivery.on_ack = durable.record_ack
         self.weight_sync.store = durable
         self.durable = durable
         return snapshot is not None
 
     async def commit(self) -> None:
-        """Wait until everything recorded so far is durable (no-op without a state_dir)."""
+        """Wait until everything recorded so far is durable (no-op without a
+        state_dir); CoreError naming state_dir once the journal cannot be written."""
         if self.durable is not None:
-            await self.durable.journal.commit()
+            await self.durable.commit()
+
+    def _journal_failed(self, exc: BaseException) -> None:
+        """A journal write failed: streams end, once they have sent
+        every sample made durable before, with the failure (see `commit`)."""
+        self.delivery.fail(CoreError("failed_precondition", self.durable.failure))
 
     def _durable_upto(self, seq: int) -> None:
         """The journal made records up to `seq` durable: publish their samples,
@@ -264,6 +275,9 @@ class RolloutCore:
             cursor = self._unpublished.popleft()[1]
         if cursor:
             self.delivery.publish(cursor)
+        if self._dispatch_at and seq >= self._dispatch_at:
+            self._dispatch_at = 0
+            self._wake.set()
         if self.durable.due():
             self.durable.compact(self.snapshot())
 
@@ -318,6 +332,8 @@ class RolloutCore:
         """Enqueue groups; returns (group_id, created) per spec. A known
         group id is not created again (idempotent retries). Journaled
         unless `private` (durable once `commit()` returns)."""
+        if self.durable is not None and self.durable.failure and not private:
+            raise CoreError("failed_precondition", self.durable.failure)
         new = sum(s.num_samples for s in specs if not self.knows(s.group_id))
         self.delivery.maybe_prune()
         running = len(self.queue) + len(self.requests)
@@ -349,11 +365,14 @@ class RolloutCore:
                 self.queue.append(req)
             self.groups[spec.group_id] = group
             if self.durable is not None and not private:
-                self.durable.record_submit(group)
+                self._dispatch_at = self.durable.record_submit(group)
             self.counters["groups_submitted"] += 1
             self.counters["samples_submitted"] += spec.num_samples
             out.append((spec.group_id, True))
-        self._wake.set()
+        if self.durable is None or private:
+            self._wake.set()
+        # else woken once the Submit is durable (`_durable_upto`): its reply,
+        # not the dispatch of its groups, comes first.
         return out
 
     def submit_private(self, spec: GroupSpec) -> Group:
@@ -773,4 +792,5 @@ class RolloutCore:
             counters=dict(self.counters),
             placement_error=self.placement_error,
             placement_errors=self.counters["placement_errors"],
+            journal_error=self.durable.failure if self.durable is not None else "",
         )

@@ -35,6 +35,7 @@ class CoreStatus:
     counters: dict[str, int] = field(default_factory=dict)
     placement_error: str = ""
     placement_errors: int = 0
+    journal_error: str = ""  # why state_dir's journal cannot be written ("" while it can)
 
     @property
     def prefix_cache_queried_tokens(self) -> int:

@@ -32,13 +32,14 @@ class WorkOps(Protocol):
     async def preempt(self, req: Request) -> None: ...
     def requeue_front(self, reqs: list[Request]) -> None: ...
     async def give_up(self, group: Group, reason: str) -> None: ...
+    def record_progress(self, req: Request) -> None: ...  # journal its state (after a reset)
 
 
 class WeightStore(Protocol):
     """Where live versions' weights are kept across restarts (core/durable.py)."""
 
     def write_weights(self, version: int, weights: StagedWeights | None) -> str | None: ...
-    async def record_weights(self, version: int, file: str | None) -> None: ...
+    async def record_weights(self, version: int, file: str | None, restart: list[tuple[str, int]] = ()) -> None: ...
 
 
 def _release(box: list[StagedWeights]) -> None:
@@ -216,8 +217,11 @@ class WeightSync:
         work over."""
         if self.store is not None:
             # Durable before the push returns: a crash before this restarts
-            # on the previous version, whose weights are still kept.
-            await self.store.record_weights(version, file)
+            # on the previous version, whose weights are still kept. The
+            # requests the carry-over restarts are reset with it (a crash
+            # after it must not bring their discarded tokens back).
+            restart = [(r.group.group_id, r.index) for r in plan.restart if r.group.listener is None]
+            await self.store.record_weights(version, file, restart)
         previous, self.last = [self.last], staged
         if previous[0] is not None:
             # Off the event loop: freeing a GB-size file's pages (its
@@ -252,6 +256,7 @@ class WeightSync:
                 continue  # finished during the push (e.g. its environment said done)
             self._counters["tokens_discarded"] += len(req.token_ids)
             req.reset()
+            work.record_progress(req)  # supersedes a turn recorded since the weights record
         self._counters["tokens_carried"] += sum(
             len(r.token_ids) for r in unfinished if r.request_id not in restart and r.group.group_id not in dropped
         )
