@@ -105,10 +105,19 @@ async def serve(spec: dict) -> None:
         stop.set()  # the parent went away
 
     tasks = [asyncio.create_task(lag_probe()), asyncio.create_task(answer())]
+    profiler = None
+    if spec.get("profile"):
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     print(json.dumps({"port": service.grpc_port, "pid": os.getpid()}), flush=True)
     try:
         await stop.wait()
     finally:
+        if profiler is not None:
+            profiler.disable()
+            profiler.dump_stats(spec["profile"])
         for t in tasks:
             t.cancel()
         await service.stop()
@@ -124,13 +133,14 @@ async def _line(stream: asyncio.StreamReader, timeout: float) -> dict:
     return json.loads(line)
 
 
-async def measure(engines: int, seqs: int, tokens: int, step_s: float, waves: int) -> dict:
-    """One fleet size: start a server, relay `waves` batches, return the row."""
+async def measure(engines: int, seqs: int, tokens: int, step_s: float, waves: int, profile: str = "") -> dict:
+    """One fleet size: start a server, relay `waves` batches, return the row
+    (with `profile`, the server runs under cProfile and writes its stats there)."""
     import psutil
 
     from trainer_client import PromptGroup, RolloutClient
 
-    spec = {"engines": engines, "seqs": seqs, "step_s": step_s}
+    spec = {"engines": engines, "seqs": seqs, "step_s": step_s, "profile": profile}
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "load_tests.relay_capacity", "--serve", json.dumps(spec),
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
@@ -203,13 +213,14 @@ def format_row(r: dict) -> str:
             f"{r['server_ms_per_sample']:>9.3f} {r['server_cores']:>5.2f} {r['client_cores']:>6.2f} {lag:>20}")
 
 
-def run(engine_counts: list[int], seqs: int, tokens: int, step_s: float, waves: int) -> list[dict]:
+def run(engine_counts: list[int], seqs: int, tokens: int, step_s: float, waves: int, profile: str = "") -> list[dict]:
     print(f"{seqs} sequences per engine, {tokens}-token samples, {step_s * 1e3:g} ms steps, {waves} waves; "
           "server CPU: all threads of the server process", flush=True)
     print(HEADER, flush=True)
     rows = []
     for n in engine_counts:
-        row = asyncio.run(measure(n, seqs, tokens, step_s, waves))
+        path = f"{profile}.{n}-engines.prof" if profile else ""
+        row = asyncio.run(measure(n, seqs, tokens, step_s, waves, path))
         rows.append(row)
         print(format_row(row), flush=True)
     return rows
@@ -224,6 +235,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--waves", type=int, default=2, help="full batches per engine")
     p.add_argument("--quick", action="store_true", help="a small run (CI): 2 engines x 4 sequences, 16 tokens")
     p.add_argument("--report", help="directory for relay_capacity.json")
+    p.add_argument("--profile", metavar="PREFIX", help="run the server under cProfile (slower): PREFIX.N-engines.prof")
     p.add_argument("--serve", help=argparse.SUPPRESS)  # the server subprocess: its spec as JSON
     args = p.parse_args(argv)
     if args.serve:
@@ -232,7 +244,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.quick:
         rows = run([2], seqs=4, tokens=16, step_s=0.005, waves=2)
     else:
-        rows = run([int(n) for n in args.engines.split(",")], args.seqs, args.tokens, args.step_ms / 1e3, args.waves)
+        rows = run([int(n) for n in args.engines.split(",")], args.seqs, args.tokens, args.step_ms / 1e3, args.waves,
+                   os.path.abspath(args.profile) if args.profile else "")
     if args.report:
         out = Path(args.report)
         out.mkdir(parents=True, exist_ok=True)
