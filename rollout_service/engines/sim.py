@@ -620,9 +620,28 @@ class SimEngine:
                 tokens[i] = (t + 1) % p.vocab_size
         return tokens, logprobs
 
-    def _emit(self, seq: _Seq, count: int, version: int, k: int = 0, length: float = 1.0) -> TokenDelta:
-        """Append `count` steps of tokens to `seq`; returns them as one delta
-        (for the caller to push to the request's stream)."""
+    def _tokens_many(self, seqs: list[_Seq], count: int) -> list[tuple[list[int], list[float]]]:
+        """`_tokens(seq, count)` for each of `seqs`, hashed in one array pass
+        (a run of one step over a full batch: one token per sequence)."""
+        p = self.params
+        starts = [s.total_generated for s in seqs]
+        pos = np.array(starts, dtype=np.int64)[:, None] + np.arange(count, dtype=np.int64)
+        keys = np.array([s.key for s in seqs], dtype=np.uint64)[:, None]
+        with np.errstate(over="ignore"):
+            hs = _mix64_np(pos.astype(np.uint64) + keys)
+        tokens = (hs % np.uint64(p.vocab_size)).astype(np.int64)
+        logprobs = -((hs >> np.uint64(32)) % np.uint64(1000)).astype(np.float64) / 250.0
+        tokens = np.where(tokens == p.eos_token_id, (tokens + 1) % p.vocab_size, tokens)
+        end = pos + 1 >= np.array([s.target_total for s in seqs], dtype=np.int64)[:, None]
+        tokens[end] = p.eos_token_id
+        logprobs[end] = -0.1
+        return list(zip(tokens.tolist(), logprobs.tolist()))
+
+    def _emit(self, seq: _Seq, count: int, version: int, k: int = 0, length: float = 1.0,
+              drawn: tuple[list[int], list[float]] | None = None) -> TokenDelta:
+        """Append `count` steps of tokens to `seq` (`drawn`: already drawn by
+        `_tokens_many`); returns them as one delta (for the caller to push to
+        the request's stream)."""
         drafted = accepted = 0
         if k > 0:
             seq.drafted_f += count * k / length
@@ -630,7 +649,7 @@ class SimEngine:
             drafted, accepted = round(seq.drafted_f) - seq.drafted, round(seq.accepted_f) - seq.accepted
             seq.drafted += drafted
             seq.accepted += accepted
-        tokens, logprobs = self._tokens(seq, count)
+        tokens, logprobs = drawn if drawn is not None else self._tokens(seq, count)
         seq.generated.extend(tokens)
         seq.logprobs.extend(logprobs)
         seq.versions.extend([version] * count)
@@ -651,10 +670,10 @@ class SimEngine:
         self.steps += m
         finished: set[int] = set()
         out = []
-        for seq in run.seqs:
-            if seq.done:
-                continue
-            delta = self._emit(seq, m, run.version, run.k, run.length)
+        live = [seq for seq in run.seqs if not seq.done]
+        drawn = self._tokens_many(live, m) if m < 16 and len(live) >= 8 else [None] * len(live)
+        for seq, d in zip(live, drawn):
+            delta = self._emit(seq, m, run.version, run.k, run.length, d)
             out.append((seq, delta))
             if delta.finish_reason is not None:
                 seq.done = True
