@@ -170,21 +170,30 @@ class _Seq:
     accepted: int = 0
     blocks: list[int] = field(default_factory=list)  # prefix-cache blocks it holds (hash chain)
     admitted: bool = False  # admitted once (a re-admission after preemption is not a new lookup)
+    # Fixed at add (a request's prompt and partial never change on the
+    # engine): read every step for every sequence.
+    prior: int = 0  # tokens of the partial response it continues
+    base: int = 0  # prompt + partial response (tokens)
+
+    def __post_init__(self) -> None:
+        r = self.request
+        self.prior = len(r.generated_token_ids)
+        self.base = len(r.prompt_token_ids) + self.prior
 
     def steps_to_finish(self) -> int:
         """Engine steps until this request stops (end token or budget)."""
-        stop = self.target_total - self.total_generated  # the end token is sampled at total - 1
-        budget = self.request.max_new_tokens - len(self.generated)
+        n = len(self.generated)
+        stop = self.target_total - self.prior - n  # the end token is sampled at total - 1
+        budget = self.request.max_new_tokens - n
         return max(1, min(stop, budget))
 
     @property
     def context(self) -> int:
-        r = self.request
-        return len(r.prompt_token_ids) + len(r.generated_token_ids) + len(self.generated)
+        return self.base + len(self.generated)
 
     @property
     def total_generated(self) -> int:
-        return len(self.request.generated_token_ids) + len(self.generated)
+        return self.prior + len(self.generated)
 
 
 def _hash_u64(*parts: object) -> int:
