@@ -27,7 +27,15 @@ A row is fair to the server only when the client keeps up: the client's own
 CPU share (`client cores`) is printed too; on a machine with fewer free cores
 than server + client need, both slow down.
 
+With `--engine vllm` the fleet is vLLM engines on the bundled tiny reasoner
+(or `--model`), every sample exactly `--tokens` tokens (min_tokens =
+max_tokens): their engine cores run in processes of their own (not counted),
+their front ends (`AsyncLLM` output processing) in the server's, as in
+production; demand and ideal are then unknown (`-`): the row is the server's
+CPU per token at the rate those engines generate.
+
     python -m load_tests.relay_capacity [--engines 16,32,64] [--step-ms 20] [--quick] [--report DIR]
+    python -m load_tests.relay_capacity --engine vllm --engines 2 --seqs 64 --tokens 256 --waves 2
 """
 from __future__ import annotations
 
@@ -44,6 +52,7 @@ GROUP = 8  # samples per group
 LAG_PROBE_S = 0.01
 START_TIMEOUT_S = 120.0
 STATS_TIMEOUT_S = 30.0
+MARK = "relay-capacity: "  # the server's reports on its stdout start with this
 
 
 # -- the server side (a subprocess) -----------------------------------------------------
@@ -76,8 +85,11 @@ async def serve(spec: dict) -> None:
     _instrument_sim(totals)
     sim = {"decode_base_s": spec["step_s"], "decode_per_seq_s": 0.0, "prefill_per_token_s": 0.0,
            "max_run_steps": 1, "weight_update_s": 0.0}
-    cfg = ServiceConfig(grpc_port=0, http_port=0, log_level="WARNING", engine=EngineConfig(
-        kind="sim", num_engines=spec["engines"], max_seqs=spec["seqs"], sim=sim))
+    if spec.get("engine", "sim") == "vllm":
+        engine = EngineConfig(kind="vllm", num_engines=spec["engines"], max_seqs=spec["seqs"], model=spec.get("model", ""))
+    else:
+        engine = EngineConfig(kind="sim", num_engines=spec["engines"], max_seqs=spec["seqs"], sim=sim)
+    cfg = ServiceConfig(grpc_port=0, http_port=0, log_level="WARNING", engine=engine)
     service = RolloutService(cfg)
     await service.start()
     loop = asyncio.get_running_loop()
@@ -99,7 +111,7 @@ async def serve(spec: dict) -> None:
                 lag = sorted(lags)
                 lags.clear()
                 pick = (lambda q: round(1e3 * lag[min(len(lag) - 1, int(q * len(lag)))], 2)) if lag else (lambda q: None)
-                print(json.dumps({"sim_s": totals["sim_s"], "lag_p50_ms": pick(0.5), "lag_p99_ms": pick(0.99),
+                print(MARK + json.dumps({"sim_s": totals["sim_s"], "lag_p50_ms": pick(0.5), "lag_p99_ms": pick(0.99),
                                   "lag_max_ms": pick(1.0),
                                   "tokens_generated": service.core.counters["tokens_generated"]}), flush=True)
         stop.set()  # the parent went away
@@ -111,7 +123,7 @@ async def serve(spec: dict) -> None:
 
         profiler = cProfile.Profile()
         profiler.enable()
-    print(json.dumps({"port": service.grpc_port, "pid": os.getpid()}), flush=True)
+    print(MARK + json.dumps({"port": service.grpc_port, "pid": os.getpid()}), flush=True)
     try:
         await stop.wait()
     finally:
@@ -127,20 +139,27 @@ async def serve(spec: dict) -> None:
 
 
 async def _line(stream: asyncio.StreamReader, timeout: float) -> dict:
-    line = await asyncio.wait_for(stream.readline(), timeout)
-    if not line:
-        raise RuntimeError("the server process exited")
-    return json.loads(line)
+    """The server's next report (other output, e.g. vLLM's, passes through)."""
+    async with asyncio.timeout(timeout):
+        while True:
+            line = (await stream.readline()).decode()
+            if not line:
+                raise RuntimeError("the server process exited")
+            if line.startswith(MARK):
+                return json.loads(line[len(MARK):])
+            sys.stdout.write(line)
 
 
-async def measure(engines: int, seqs: int, tokens: int, step_s: float, waves: int, profile: str = "") -> dict:
+async def measure(engines: int, seqs: int, tokens: int, step_s: float, waves: int, profile: str = "",
+                  engine: str = "sim", model: str = "") -> dict:
     """One fleet size: start a server, relay `waves` batches, return the row
     (with `profile`, the server runs under cProfile and writes its stats there)."""
     import psutil
 
     from trainer_client import PromptGroup, RolloutClient
 
-    spec = {"engines": engines, "seqs": seqs, "step_s": step_s, "profile": profile}
+    spec = {"engines": engines, "seqs": seqs, "step_s": step_s, "profile": profile, "engine": engine, "model": model}
+    vllm = engine == "vllm"
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "load_tests.relay_capacity", "--serve", json.dumps(spec),
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
@@ -161,12 +180,20 @@ async def measure(engines: int, seqs: int, tokens: int, step_s: float, waves: in
             s0 = await stats()
             cpu0, mine0 = sum(server.cpu_times()[:2]), sum(me.cpu_times()[:2])
             t0 = time.perf_counter()
-            await client.submit(PromptGroup(prompt_token_ids=[1, 5, 6, 7], num_samples=GROUP, max_tokens=tokens + 1,
-                                            group_id=f"r{i}", metadata={"sim.target_lengths": lengths})
-                                for i in range(samples // GROUP))
+            if vllm:  # exactly `tokens` tokens each; distinct prompts (no prefix-cache shortcut)
+                groups = (PromptGroup(prompt_token_ids=[1, 5 + i % 50, 6 + i // 50 % 50, 7], num_samples=GROUP,
+                                      max_tokens=tokens, min_tokens=tokens, group_id=f"r{i}", seed=i)
+                          for i in range(samples // GROUP))
+            else:
+                groups = (PromptGroup(prompt_token_ids=[1, 5, 6, 7], num_samples=GROUP, max_tokens=tokens + 1,
+                                      group_id=f"r{i}", metadata={"sim.target_lengths": lengths})
+                          for i in range(samples // GROUP))
+            await client.submit(groups)
             received = relayed = 0
-            # Bounded: the slowest fleet size here relays at a fraction of its demand, not less than 1/50.
-            async with asyncio.timeout(60 + 50 * waves * tokens * step_s):
+            # Bounded: the slowest fleet size here relays at a fraction of its demand, not less than 1/50
+            # (vLLM on a CPU: at least 100 tokens/s per engine).
+            limit = waves * seqs * tokens / 100 if vllm else 50 * waves * tokens * step_s
+            async with asyncio.timeout(60 + limit):
                 async for sample in client.stream(ack_every=256):
                     received += 1
                     relayed += len(sample.response_token_ids)
@@ -190,9 +217,11 @@ async def measure(engines: int, seqs: int, tokens: int, step_s: float, waves: in
         "engines": engines, "seqs_per_engine": seqs, "step_ms": step_s * 1e3, "tokens_per_sample": tokens,
         "samples": received, "tokens_relayed": relayed, "tokens_expected": samples * tokens,
         "tokens_generated": s1["tokens_generated"] - s0["tokens_generated"],
-        "demand_tokens_per_s": round(engines * seqs / step_s),
+        "engine": engine,
+        "demand_tokens_per_s": None if vllm else round(engines * seqs / step_s),
         "relayed_tokens_per_s": round(relayed / wall),
-        "wall_s": round(wall, 3), "ideal_s": round(ideal, 3), "time_over_ideal": round(wall / ideal, 3),
+        "wall_s": round(wall, 3), "ideal_s": None if vllm else round(ideal, 3),
+        "time_over_ideal": None if vllm else round(wall / ideal, 3),
         "server_cpu_s": round(cpu, 3), "sim_cpu_s": round(sim_s, 3),
         "server_cores": round(cpu / wall, 2), "client_cores": round(mine / wall, 2),
         "server_us_per_token": round(1e6 * cpu / max(1, relayed), 2),
@@ -208,19 +237,23 @@ HEADER = (f"{'engines':>7} {'demand tok/s':>12} {'relayed tok/s':>13} {'time/ide
 
 def format_row(r: dict) -> str:
     lag = f"{r['lag_p50_ms']}/{r['lag_p99_ms']}/{r['lag_max_ms']}"
-    return (f"{r['engines']:>7} {r['demand_tokens_per_s']:>12,} {r['relayed_tokens_per_s']:>13,} "
-            f"{r['time_over_ideal']:>10.2f} {r['server_us_per_token']:>10.2f} {r['server_us_per_token_excl_sim']:>8.2f} "
+    demand = "-" if r["demand_tokens_per_s"] is None else f"{r['demand_tokens_per_s']:,}"
+    ratio = "-" if r["time_over_ideal"] is None else f"{r['time_over_ideal']:.2f}"
+    return (f"{r['engines']:>7} {demand:>12} {r['relayed_tokens_per_s']:>13,} "
+            f"{ratio:>10} {r['server_us_per_token']:>10.2f} {r['server_us_per_token_excl_sim']:>8.2f} "
             f"{r['server_ms_per_sample']:>9.3f} {r['server_cores']:>5.2f} {r['client_cores']:>6.2f} {lag:>20}")
 
 
-def run(engine_counts: list[int], seqs: int, tokens: int, step_s: float, waves: int, profile: str = "") -> list[dict]:
-    print(f"{seqs} sequences per engine, {tokens}-token samples, {step_s * 1e3:g} ms steps, {waves} waves; "
+def run(engine_counts: list[int], seqs: int, tokens: int, step_s: float, waves: int, profile: str = "",
+        engine: str = "sim", model: str = "") -> list[dict]:
+    steps = "vLLM engines" if engine == "vllm" else f"{step_s * 1e3:g} ms steps"
+    print(f"{seqs} sequences per engine, {tokens}-token samples, {steps}, {waves} waves; "
           "server CPU: all threads of the server process", flush=True)
     print(HEADER, flush=True)
     rows = []
     for n in engine_counts:
         path = f"{profile}.{n}-engines.prof" if profile else ""
-        row = asyncio.run(measure(n, seqs, tokens, step_s, waves, path))
+        row = asyncio.run(measure(n, seqs, tokens, step_s, waves, path, engine, model))
         rows.append(row)
         print(format_row(row), flush=True)
     return rows
@@ -233,6 +266,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--tokens", type=int, default=256, help="tokens per sample")
     p.add_argument("--step-ms", type=float, default=20.0, help="engine step time (milliseconds)")
     p.add_argument("--waves", type=int, default=2, help="full batches per engine")
+    p.add_argument("--engine", choices=["sim", "vllm"], default="sim", help="engine kind")
+    p.add_argument("--model", default="", help="vLLM: model directory (default: the bundled tiny reasoner)")
     p.add_argument("--quick", action="store_true", help="a small run (CI): 2 engines x 4 sequences, 16 tokens")
     p.add_argument("--report", help="directory for relay_capacity.json")
     p.add_argument("--profile", metavar="PREFIX", help="run the server under cProfile (slower): PREFIX.N-engines.prof")
@@ -245,7 +280,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         rows = run([2], seqs=4, tokens=16, step_s=0.005, waves=2)
     else:
         rows = run([int(n) for n in args.engines.split(",")], args.seqs, args.tokens, args.step_ms / 1e3, args.waves,
-                   os.path.abspath(args.profile) if args.profile else "")
+                   os.path.abspath(args.profile) if args.profile else "", args.engine, args.model)
     if args.report:
         out = Path(args.report)
         out.mkdir(parents=True, exist_ok=True)
