@@ -80,6 +80,38 @@ def test_sim_engine_streams_progress_at_least_every_max_run_steps():
     assert abs(fine_s - coarse_s) < 1e-9  # same steps, same times: only the deltas are smaller
 
 
+def test_a_delta_stream_is_iterated_or_pushed_to_a_sink_in_order():
+    """A request's deltas reach its reader in order, through `async for` or,
+    once a sink is attached, through the sink (what was buffered first);
+    what the sink raises goes to `on_error` once, never to the engine."""
+    from rollout_service.engines.stream import DeltaStream
+    from rollout_service.engines.types import FinishReason, TokenDelta
+
+    async def main():
+        it = DeltaStream()
+        it.push(TokenDelta([5], [-0.1], 0))
+        it.push(TokenDelta([6], [-0.2], 0, FinishReason.STOP))
+        assert [d.token_ids async for d in it] == [[5], [6]]
+
+        pushed, errors = DeltaStream(), []
+        pushed.push(TokenDelta([1], [-0.1], 0))
+        got = []
+        pushed.attach(lambda d: got.append(d.token_ids), errors.append)
+        pushed.push(TokenDelta([2, 3], [-0.1, -0.2], 1))
+        assert got == [[1], [2, 3]] and errors == []
+
+        def broken(delta):
+            raise ValueError("bad sink")
+
+        failing = DeltaStream()
+        failing.attach(broken, errors.append)
+        failing.push(TokenDelta([1], [-0.1], 0))
+        failing.push(TokenDelta([2], [-0.1], 0))  # the sink is detached: nothing raised
+        assert [type(e) for e in errors] == [ValueError]
+
+    asyncio.run(main())
+
+
 def test_virtual_time_simulates_hours_of_fleet_time_in_seconds():
     engines = [SimEngine(f"e{i}", SimParams(decode_base_s=0.08, seed=i)) for i in range(16)]
 

@@ -995,3 +995,21 @@ def test_the_drafter_capacity_study_refuses_a_malformed_grid(capsys):
         with pytest.raises(SystemExit):
             capacity(["--grid", bad])
         assert "--grid:" in capsys.readouterr().err
+
+
+def test_the_relay_capacity_benchmark_relays_every_generated_token(tmp_path, capsys):
+    """`relay_capacity --quick` starts the service in a process of its own,
+    relays every token the simulated engines generate to the client, and
+    reports each figure of its table (and the same rows as JSON)."""
+    from load_tests.relay_capacity import main as relay
+
+    rows = relay(["--quick", "--report", str(tmp_path)])
+    assert rows == json.loads((tmp_path / "relay_capacity.json").read_text())
+    [row] = rows
+    assert row["samples"] == 2 * 4 * 2
+    assert row["tokens_relayed"] == row["tokens_generated"] == row["tokens_expected"] == row["samples"] * 16
+    for key in ("demand_tokens_per_s", "relayed_tokens_per_s", "time_over_ideal", "server_us_per_token",
+                "server_ms_per_sample", "sim_cpu_s", "lag_p50_ms", "lag_p99_ms", "lag_max_ms"):
+        assert row[key] is not None and row[key] >= 0, key
+    assert row["server_us_per_token_excl_sim"] is not None
+    assert "relayed tok/s" in capsys.readouterr().out

@@ -39,7 +39,8 @@ from rollout_service.core.trajectories import Trajectories
 from rollout_service.core.collective import CollectiveTransfer
 from rollout_service.core.weight_sync import WeightSync
 from rollout_service.engines.base import Engine
-from rollout_service.engines.types import EngineLoad, FinishReason
+from rollout_service.engines.stream import DeltaStream
+from rollout_service.engines.types import EngineLoad, FinishReason, TokenDelta
 from rollout_service.engines.weights import StagedWeights
 from rollout_service.lifecycle.types import (
     CoreError,
@@ -470,19 +471,17 @@ class RolloutCore:
 
         finish: FinishReason | None = None
         try:
-            async for delta in engine.add(self.trajectories.clamp(req.engine_request())):
-                if superseded():
-                    return
-                if delta.token_ids:
-                    if not req.first_token_at:
-                        req.first_token_at = self.clock.now()
-                    req.append_delta(delta)
-                    if req.group.listener is not None:
-                        req.group.listener.put_nowait(DeltaEvent(req.index, delta))
-                    self.counters["tokens_generated"] += len(delta.token_ids)
-                if delta.finish_reason is not None:
-                    finish = delta.finish_reason
-                    break
+            deltas = engine.add(self.trajectories.clamp(req.engine_request()))
+            if isinstance(deltas, DeltaStream):
+                finish = await self._follow(req, deltas, superseded)
+            else:
+                async for delta in deltas:
+                    if superseded():
+                        return
+                    self._take(req, delta)
+                    if delta.finish_reason is not None:
+                        finish = delta.finish_reason
+                        break
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # engine died or refused: keep the partial, re-queue
@@ -513,6 +512,39 @@ class RolloutCore:
             self.trajectories.turn_ended(req, finish, engine.engine_id)
             return
         self.finish(req, finish)
+
+    def _take(self, req: Request, delta: TokenDelta) -> None:
+        """Record a delta of a request's current attempt."""
+        if delta.token_ids:
+            if not req.first_token_at:
+                req.first_token_at = self.clock.now()
+            req.append_delta(delta)
+            if req.group.listener is not None:
+                req.group.listener.put_nowait(DeltaEvent(req.index, delta))
+            self.counters["tokens_generated"] += len(delta.token_ids)
+
+    def _follow(self, req: Request, deltas: DeltaStream, superseded: Callable[[], bool]) -> asyncio.Future:
+        """Take an attempt's deltas in its engine's step (a sink, no task
+        switch per delta); the future resolves with the finish reason, None
+        once the attempt is superseded, or the engine's error."""
+        over = asyncio.get_running_loop().create_future()
+
+        def sink(delta: TokenDelta) -> None:
+            if over.done():
+                return
+            if superseded():
+                over.set_result(None)
+                return
+            self._take(req, delta)
+            if delta.finish_reason is not None:
+                over.set_result(delta.finish_reason)
+
+        def failed(exc: BaseException) -> None:
+            if not over.done():
+                over.set_exception(exc)
+
+        deltas.attach(sink, failed)
+        return over
 
     def _release(self, req: Request) -> None:
         self.requests.release(req)

@@ -39,7 +39,9 @@ class Engine(Protocol):
         A request with `generated_token_ids` continues that partial response
         (re-prefill of prompt + generated). Each delta is tagged with the
         policy version of the weights that sampled it. An aborted request's
-        iterator ends with `finish_reason=ABORTED`.
+        iterator ends with `finish_reason=ABORTED`. An engine that returns
+        a `DeltaStream` (engines/stream.py) lets the core take each step's
+        deltas in the step itself, with no task switch per delta.
         """
 
     async def abort(self, request_id: str) -> PartialResponse:

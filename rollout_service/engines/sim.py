@@ -77,7 +77,7 @@ import math
 import random
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Mapping
+from typing import Mapping
 
 import numpy as np
 
@@ -97,6 +97,7 @@ from rollout_service.engines.collective import GroupReceiver, TransferInit
 from rollout_service.engines.spec_config import DEFAULT_SCHEDULE, MODEL_METHODS, SpecConfig
 from rollout_service.engines.spec_monitor import SpecMonitor
 from rollout_service.engines.speculation import MonitoredSpeculation
+from rollout_service.engines.stream import DeltaStream
 
 
 @dataclass(slots=True)
@@ -160,7 +161,7 @@ class SimParams:
 class _Seq:
     request: EngineRequest
     target_total: int  # response length at which it stops (tokens)
-    queue: asyncio.Queue
+    stream: DeltaStream
     generated: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -173,21 +174,30 @@ class _Seq:
     accepted: int = 0
     blocks: list[int] = field(default_factory=list)  # prefix-cache blocks it holds (hash chain)
     admitted: bool = False  # admitted once (a re-admission after preemption is not a new lookup)
+    # Fixed at add (a request's prompt and partial never change on the
+    # engine): read every step for every sequence.
+    prior: int = 0  # tokens of the partial response it continues
+    base: int = 0  # prompt + partial response (tokens)
+
+    def __post_init__(self) -> None:
+        r = self.request
+        self.prior = len(r.generated_token_ids)
+        self.base = len(r.prompt_token_ids) + self.prior
 
     def steps_to_finish(self) -> int:
         """Engine steps until this request stops (end token or budget)."""
-        stop = self.target_total - self.total_generated  # the end token is sampled at total - 1
-        budget = self.request.max_new_tokens - len(self.generated)
+        n = len(self.generated)
+        stop = self.target_total - self.prior - n  # the end token is sampled at total - 1
+        budget = self.request.max_new_tokens - n
         return max(1, min(stop, budget))
 
     @property
     def context(self) -> int:
-        r = self.request
-        return len(r.prompt_token_ids) + len(r.generated_token_ids) + len(self.generated)
+        return self.base + len(self.generated)
 
     @property
     def total_generated(self) -> int:
-        return len(self.request.generated_token_ids) + len(self.generated)
+        return self.prior + len(self.generated)
 
 
 def _hash_u64(*parts: object) -> int:
@@ -314,12 +324,12 @@ class SimEngine:
             target = max(1, int(round(p.length_median * math.exp(p.length_sigma * rng.gauss(0, 1)))))
         return max(target, req.sampling.min_tokens + 1)
 
-    def add(self, request: EngineRequest) -> AsyncIterator[TokenDelta]:
+    def add(self, request: EngineRequest) -> DeltaStream:
         if self._state == EngineState.DEAD:
             raise EngineError(f"engine {self.engine_id} is dead")
         if request.request_id in self._seqs:
             raise EngineError(f"request {request.request_id} already running on {self.engine_id}")
-        seq = _Seq(request, self._target_length(request), asyncio.Queue())
+        seq = _Seq(request, self._target_length(request), DeltaStream())
         seq.key = _hash_u64(self.params.seed, request.request_id)
         self._seqs[request.request_id] = seq
         # Behind a waiting request it cannot be admitted before a finish.
@@ -328,14 +338,7 @@ class SimEngine:
         self._wake.set()
         if admissible:
             self._cut_run()
-        return self._deltas(seq)
-
-    async def _deltas(self, seq: _Seq) -> AsyncIterator[TokenDelta]:
-        while True:
-            delta: TokenDelta = await seq.queue.get()
-            yield delta
-            if delta.finish_reason is not None:
-                return
+        return seq.stream
 
     async def abort(self, request_id: str) -> PartialResponse:
         seq = self._seqs.pop(request_id, None)
@@ -348,7 +351,7 @@ class SimEngine:
             done = min(run.steps_done(asyncio.get_running_loop().time()), run.steps - 1)
             run.seqs.remove(seq)
             if done > 0:
-                self._emit(seq, done, run.version, run.k, run.length)
+                seq.stream.push(self._emit(seq, done, run.version, run.k, run.length))
         if any(s is seq for s in self._running):
             self._running = [s for s in self._running if s is not seq]
             self._release(seq)
@@ -356,7 +359,7 @@ class SimEngine:
             self._waiting.remove(seq)
         self._cut_run()
         seq.done = True
-        seq.queue.put_nowait(TokenDelta([], [], self._version, FinishReason.ABORTED))
+        seq.stream.push(TokenDelta([], [], self._version, FinishReason.ABORTED))
         return PartialResponse(list(seq.generated), list(seq.logprobs), list(seq.versions))
 
     def load(self) -> EngineLoad:
@@ -633,8 +636,28 @@ class SimEngine:
                 tokens[i] = (t + 1) % p.vocab_size
         return tokens, logprobs
 
-    def _emit(self, seq: _Seq, count: int, version: int, k: int = 0, length: float = 1.0) -> FinishReason | None:
-        """Append `count` steps of tokens to `seq` and hand them to its stream."""
+    def _tokens_many(self, seqs: list[_Seq], count: int) -> list[tuple[list[int], list[float]]]:
+        """`_tokens(seq, count)` for each of `seqs`, hashed in one array pass
+        (a run of one step over a full batch: one token per sequence)."""
+        p = self.params
+        starts = [s.total_generated for s in seqs]
+        pos = np.array(starts, dtype=np.int64)[:, None] + np.arange(count, dtype=np.int64)
+        keys = np.array([s.key for s in seqs], dtype=np.uint64)[:, None]
+        with np.errstate(over="ignore"):
+            hs = _mix64_np(pos.astype(np.uint64) + keys)
+        tokens = (hs % np.uint64(p.vocab_size)).astype(np.int64)
+        logprobs = -((hs >> np.uint64(32)) % np.uint64(1000)).astype(np.float64) / 250.0
+        tokens = np.where(tokens == p.eos_token_id, (tokens + 1) % p.vocab_size, tokens)
+        end = pos + 1 >= np.array([s.target_total for s in seqs], dtype=np.int64)[:, None]
+        tokens[end] = p.eos_token_id
+        logprobs[end] = -0.1
+        return list(zip(tokens.tolist(), logprobs.tolist()))
+
+    def _emit(self, seq: _Seq, count: int, version: int, k: int = 0, length: float = 1.0,
+              drawn: tuple[list[int], list[float]] | None = None) -> TokenDelta:
+        """Append `count` steps of tokens to `seq` (`drawn`: already drawn by
+        `_tokens_many`); returns them as one delta (for the caller to push to
+        the request's stream)."""
         drafted = accepted = 0
         if k > 0:
             seq.drafted_f += count * k / length
@@ -642,7 +665,7 @@ class SimEngine:
             drafted, accepted = round(seq.drafted_f) - seq.drafted, round(seq.accepted_f) - seq.accepted
             seq.drafted += drafted
             seq.accepted += accepted
-        tokens, logprobs = self._tokens(seq, count)
+        tokens, logprobs = drawn if drawn is not None else self._tokens(seq, count)
         seq.generated.extend(tokens)
         seq.logprobs.extend(logprobs)
         seq.versions.extend([version] * count)
@@ -651,22 +674,24 @@ class SimEngine:
             finish = FinishReason.STOP
         elif len(seq.generated) >= seq.request.max_new_tokens:
             finish = FinishReason.LENGTH
-        seq.queue.put_nowait(TokenDelta(tokens, logprobs, version, finish, drafted, accepted))
-        return finish
+        return TokenDelta(tokens, logprobs, version, finish, drafted, accepted)
 
-    def _complete(self, run: _Run) -> None:
-        """Account for a finished run and deliver its tokens."""
+    def _complete(self, run: _Run) -> list[tuple[_Seq, TokenDelta]]:
+        """Account for a finished run; returns each request's delta of it
+        (pushed by `_deliver` once the engine's own state is up to date)."""
         m = run.steps
         dt = run.elapsed(m)
         self.busy_s += dt
         self.slot_s += dt * run.n
         self.steps += m
         finished: set[int] = set()
-        for seq in run.seqs:
-            if seq.done:
-                continue
-            finish = self._emit(seq, m, run.version, run.k, run.length)
-            if finish is not None:
+        out = []
+        live = [seq for seq in run.seqs if not seq.done]
+        drawn = self._tokens_many(live, m) if m < 16 and len(live) >= 8 else [None] * len(live)
+        for seq, d in zip(live, drawn):
+            delta = self._emit(seq, m, run.version, run.k, run.length, d)
+            out.append((seq, delta))
+            if delta.finish_reason is not None:
                 seq.done = True
                 finished.add(id(seq))
                 self._seqs.pop(seq.request.request_id, None)
@@ -680,6 +705,13 @@ class SimEngine:
         if dt > 0:
             decay = 0.9 ** m
             self._tokens_per_s = decay * self._tokens_per_s + (1 - decay) * (run.n * m / dt)
+        return out
+
+    @staticmethod
+    def _deliver(out: list[tuple[_Seq, TokenDelta]]) -> None:
+        """Hand a run's deltas to their requests' streams, in one pass."""
+        for seq, delta in out:
+            seq.stream.push(delta)
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -699,7 +731,7 @@ class SimEngine:
                 run.timer = loop.call_at(run.t0 + run.elapsed(run.steps), _resolve, run.done)
                 await run.done
                 self._run = None
-                self._complete(run)
+                self._deliver(self._complete(run))
 
 
 class SimSpeculation(MonitoredSpeculation):
