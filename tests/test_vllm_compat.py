@@ -72,8 +72,9 @@ async def test_unsupported_sampling_settings_get_400(sim_service, body, param):
 
 async def test_tokens_in_tokens_out_generate(sim_service):
     status, r = await _call(sim_service.http_port, "POST", "/inference/v1/generate", {
-        "request_id": "r1", "token_ids": [1, 10, 11], "sampling_params": {"n": 3, "max_tokens": 4, "logprobs": 0}})
-    assert status == 200 and r["request_id"] == "r1" and r["prompt_token_ids"] == [1, 10, 11]
+        "request_id": "r1", "token_ids": [1, 10, 11], "return_token_ids": True,
+        "sampling_params": {"n": 3, "max_tokens": 4, "logprobs": 0}})
+    assert status == 200 and r["request_id"] == "generate-tokens-r1" and r["prompt_token_ids"] == [1, 10, 11]
     assert [c["index"] for c in r["choices"]] == [0, 1, 2]
     for c in r["choices"]:
         content = c["logprobs"]["content"]
@@ -87,7 +88,7 @@ async def test_tokens_in_tokens_out_generate(sim_service):
                         ({"token_ids": [1, 2], "sampling_params": {"frequency_penalty": 0.3}},
                          "sampling_params.frequency_penalty"),
                         ({"token_ids": [1, 2], "sampling_params": {"bogus": 1}}, "sampling_params.bogus"),
-                        ({"token_ids": [1, 2], "cache_salt": "x"}, "cache_salt")]:
+                        ({"token_ids": [1, 2], "kv_transfer_params": {"x": 1}}, "kv_transfer_params")]:
         status, r = await _call(sim_service.http_port, "POST", "/inference/v1/generate", body)
         assert status == 400 and r["error"]["param"] == param, r
 

@@ -1,0 +1,114 @@
+"""vLLM's RL control routes (`vllm/entrypoints/rl/online/api_router.py`),
+for the whole fleet; they need the weights token (api/auth.py).
+
+- `POST /pause?mode=abort|wait|keep&clear_cache=`: `{"status": "paused"}`
+  once the fleet is paused (core/pause.py): `keep` holds what runs and
+  resumes it under the weights serving at `/resume`, every token tagged
+  with the version that sampled it; `abort` ends every open group with what
+  it generated; `wait` returns once the engines have drained (at most
+  `http_request_timeout_s`, else 504, the fleet still paused). `clear_cache`
+  is accepted and has nothing to clear: prefix caches are partitioned by
+  policy version.
+- `POST /resume`: `{"status": "resumed"}`; `GET /is_paused`: `{"is_paused": bool}`.
+- `POST /abort_requests {"request_ids": [...]}`: aborts those requests of
+  the HTTP front ends (the ids their answers carry, or a generate request's
+  own `request_id`); each answers at once with what it generated. Without
+  ids, every open group, as rollout.v1's `Abort(all)`. `{"status":
+  "aborted", "aborted": n}`.
+- The weight-transfer routes answer 501 with a JSON error naming the
+  route: weights reach this service through `PushWeights` (gRPC), e.g.
+  `trainer_client.RolloutClient.push_weights`, or for TRL
+  `trainer_client.trl` (docs/trl.md).
+"""
+from __future__ import annotations
+
+import json
+
+from aiohttp import web
+
+from rollout_service.api.openai_http import (BadRequest, OpenAIFrontEnd, _short, error_response, query_flag,
+                                             read_body)
+from rollout_service.core.rollout import CoreError, RolloutCore
+
+WEIGHT_TRANSFER_PATHS = (
+    "/init_weight_transfer_engine",
+    "/shutdown_weight_transfer_engine",
+    "/start_weight_update",
+    "/start_draft_weight_update",
+    "/update_weights",
+    "/finish_weight_update",
+    "/update_weight_version",
+)
+
+NO_NCCL = (
+    "this rollout-service side server has no NCCL weight-transfer engine: push weights over gRPC "
+    "PushWeights instead (trainer_client.RolloutClient.push_weights, or for TRL the helpers in "
+    "trainer_client.trl; see docs/trl.md)"
+)
+
+
+class VllmControl:
+    """vLLM's pause, resume and abort routes over the core's fleet."""
+
+    def __init__(self, front: OpenAIFrontEnd) -> None:
+        self.front = front
+        self.core: RolloutCore = front.core
+
+    def routes(self, app: web.Application) -> None:
+        app.router.add_post("/pause", self.pause)
+        app.router.add_post("/resume", self.resume)
+        app.router.add_get("/is_paused", self.is_paused)
+        app.router.add_post("/abort_requests", self.abort_requests)
+        for path in WEIGHT_TRANSFER_PATHS:
+            app.router.add_post(path, self.weight_transfer)
+
+    async def pause(self, request: web.Request) -> web.Response:
+        mode = request.query.get("mode", "abort")
+        try:
+            query_flag(request, "clear_cache", True)  # nothing to clear (see the module docstring)
+        except BadRequest as exc:
+            return error_response(400, str(exc), exc.param)
+        try:
+            await self.core.pausing.pause(mode, self.front.request_timeout_s)
+        except CoreError as exc:
+            status = 504 if exc.code == "deadline" else 400
+            return error_response(status, str(exc), "mode", kind="invalid_request_error" if status == 400 else "timeout")
+        return web.json_response({"status": "paused"})
+
+    async def resume(self, _request: web.Request) -> web.Response:
+        self.core.pausing.resume()
+        return web.json_response({"status": "resumed"})
+
+    async def is_paused(self, _request: web.Request) -> web.Response:
+        return web.json_response({"is_paused": self.core.pausing.paused})
+
+    async def abort_requests(self, request: web.Request) -> web.Response:
+        try:
+            ids = self._request_ids(await read_body(request))
+        except BadRequest as exc:
+            return error_response(400, str(exc), exc.param)
+        if not ids:
+            count, _ = await self.core.abort(all_groups=True)
+            return web.json_response({"status": "aborted", "aborted": count})
+        groups = {g for rid in ids for g in self.front.inflight.get(rid, ())}
+        live = [g for g in groups if g in self.core.groups]
+        if live:
+            await self.core.abort(live)
+        return web.json_response({"status": "aborted", "aborted": len(ids)})
+
+    @staticmethod
+    def _request_ids(raw: bytes) -> list[str]:
+        """The body's `request_ids` (none: all); BadRequest naming what is wrong."""
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError):
+            raise BadRequest("body", "Invalid JSON format") from None
+        if not isinstance(body, dict):
+            raise BadRequest("body", "Request body must be a JSON object")
+        ids = body.get("request_ids") or []
+        if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+            raise BadRequest("request_ids", f"must be a list of request ids, got {_short(ids)}")
+        return ids
+
+    async def weight_transfer(self, request: web.Request) -> web.Response:
+        return error_response(501, f"{request.path}: {NO_NCCL}", kind="not_implemented")
