@@ -266,3 +266,67 @@ async def test_bad_values_are_400_in_vllms_error_shape_naming_the_field(fleet, m
     assert status == 400 and r["error"]["param"] == param and r["error"]["code"] == 400, r
     assert param in r["error"]["message"]
     assert await _call(fleet.http_port, "GET", "/is_paused") == (200, {"is_paused": False})  # still serving
+
+
+class HttpWeightSync:
+    """vLLM's `VLLMWeightSyncClient` protocol over the weight-transfer
+    routes, as `vllm.distributed.weight_transfer.clients.HTTPVLLMWeightSyncClient`
+    speaks it (that one drives vLLM engines in test_vllm_routes_engines.py;
+    importing it imports vLLM)."""
+
+    def __init__(self, base_url: str) -> None:
+        self.base_url = base_url
+
+    def _post(self, path: str, body: dict | None = None) -> None:
+        import requests
+
+        requests.post(f"{self.base_url}/{path}", json=body, timeout=60).raise_for_status()
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self._post("init_weight_transfer_engine", {"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self._post("start_weight_update")
+
+    def update_weights(self, update_info: dict) -> None:
+        self._post("update_weights", {"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._post("finish_weight_update", {"weight_version": weight_version} if weight_version else None)
+
+
+async def test_weight_transfer_routes_push_once_to_every_engine_and_the_version_goes_live(fleet):
+    """The gloo trainer engine drives the routes: one group over both
+    engines, each byte sent once, the version live on every engine at
+    finish; /update_weight_version relabels it in /weight_info and spans."""
+    torch = pytest.importorskip("torch")
+    from rollout_proto.gloo_trainer import GlooTrainerInitInfo, GlooTrainerWeightTransferEngine
+    from trainer_client.collective import StateDictSource, free_port
+
+    port, before = fleet.http_port, fleet.core.policy_version
+    _, world = await _call(port, "GET", "/get_world_size")
+    source = StateDictSource()
+    source.state_dict = {"w": torch.ones(1024), "b": torch.zeros(3, 5)}
+
+    def push():
+        info = GlooTrainerInitInfo("127.0.0.1", free_port(), world["world_size"] + 1, timeout_s=30)
+        engine = GlooTrainerWeightTransferEngine.trainer_init(info, client=HttpWeightSync(f"http://127.0.0.1:{port}"),
+                                                              source=source)
+        try:
+            engine.send_weights()
+            return engine.bytes_sent
+        finally:
+            engine.shutdown()
+
+    sent = await asyncio.to_thread(push)
+    assert sent == 4 * (1024 + 15)  # once, for both engines
+    assert fleet.core.policy_version == before + 1
+    assert {e.load().policy_version for e in fleet.core.engines.values()} == {before + 1}
+    assert await _call(port, "GET", "/weight_info") == (200, {"weight_version": str(before + 1)})
+    assert await _call(port, "POST", "/update_weight_version", {"new_version": "step-7"}) == (
+        200, {"success": True, "new_version": "step-7"})
+    assert await _call(port, "GET", "/weight_info") == (200, {"weight_version": "step-7"})
+    status, r = await _call(port, "POST", "/inference/v1/generate", _long(4))
+    assert status == 200 and r["choices"][0]["weight_versions"] == [{"version": "step-7", "start": 0, "end": 4}]
+    await _call(port, "POST", "/shutdown_weight_transfer_engine")
+    assert fleet.core.collective.plan_in_force is None

@@ -255,6 +255,10 @@ class OpenAIFrontEnd:
         self.model_name = model_name
         self.request_timeout_s = request_timeout_s  # seconds a request's groups may run before they are aborted
         self.inflight: dict[str, list[str]] = {}  # request id -> its group ids, while it runs (/abort_requests)
+        self.version_labels: dict[int, str] = {}  # policy version -> vLLM weight-version label (str(version) if none)
+
+    def version_label(self, version: int) -> str:
+        return self.version_labels.get(version, str(version))
 
     @contextlib.contextmanager
     def tracking(self, request_ids: list[str], groups: list):

@@ -4,8 +4,8 @@ RL libraries that drive a `vllm serve` process (TRL's `VLLMClient` and
 async GRPO, SkyRL, prime-rl) find here what they ask for besides the OpenAI
 endpoints (api/openai_http.py, which also accept vLLM's `return_token_ids`,
 `return_tokens_as_token_ids`, `cache_salt` and batches of prompts); the
-control routes (`/pause`, `/resume`, `/abort_requests`, weight transfer) are
-in api/vllm_control.py. Answers follow vLLM 0.32's shapes; the fleet is
+control routes (`/pause`, `/resume`, `/abort_requests`) are in
+api/vllm_control.py, the weight-transfer routes in api/vllm_weights.py. Answers follow vLLM 0.32's shapes; the fleet is
 described as one data-parallel deployment of its engines:
 
 - `GET /server_info?config_format=json|text`: `{"vllm_config": {...}}` with
@@ -13,7 +13,8 @@ described as one data-parallel deployment of its engines:
   `parallel_config`: `data_parallel_size` = engines, `world_size` = workers
   of one engine, `world_size_across_dp` = workers of every engine), plus
   `rollout_service`: the serving policy version, how weights reach the
-  service, and the checkpoint's tensor names, dtypes and shapes.
+  service, and the checkpoint's tensor names, dtypes and shapes;
+  `weight_transfer_config.backend` is that of the weight-transfer routes.
 - `GET /version`: the vLLM version the engines run (the service's own
   version behind simulated engines).
 - `GET /get_world_size?include_dp=true|false`: the workers of every engine
@@ -43,6 +44,7 @@ import uuid
 from aiohttp import web
 
 import rollout_service
+from rollout_service.api.collective import _backend
 from rollout_service.api.validation import MAX_ID_CHARS
 from rollout_service.api.openai_http import (FINISH_REASONS, BadRequest, OpenAIFrontEnd, _short, cache_salt,
                                              check_keys, error_response, query_flag)
@@ -64,12 +66,6 @@ _GENERATE_NEUTRAL = {"output_mode": ("tokens",), "priority": (0,), "kv_transfer_
                      "token_offsets": (None,)}
 def _renamed(exc: BadRequest, param: str) -> BadRequest:
     return BadRequest(param, str(exc).removeprefix(f"{exc.param}: "))
-
-
-def weight_versions(s: Sample) -> list[dict]:
-    """vLLM's `WeightVersionSpan`s of a sample: output tokens `[start, end)`
-    sampled by the weights labelled `version`."""
-    return [{"version": str(v), "start": a, "end": a + n} for v, a, n in s.versions.segments]
 
 
 class VllmCompat:
@@ -121,6 +117,14 @@ class VllmCompat:
                 "data_parallel_size": len(workers), "world_size": max(workers, default=1),
                 "world_size_across_dp": sum(workers)}
 
+    def weight_transfer_config(self) -> dict | None:
+        """{"backend"} of the weight-transfer routes (api/vllm_weights.py):
+        NCCL on GPUs, gloo on CPUs; None when an engine cannot join a group."""
+        live = self.core.fleet.live()
+        if not live or any(e.transfer_ranks() <= 0 for e in live):
+            return None
+        return {"backend": _backend(self.core, "")}
+
     async def server_info(self, request: web.Request) -> web.Response:
         fmt = request.query.get("config_format", "text")
         if fmt not in ("text", "json"):
@@ -136,7 +140,7 @@ class VllmCompat:
                 "dtype": f"torch.{self._one('dtype', 'float32')}",
             },
             "parallel_config": self.parallel_config(),
-            "weight_transfer_config": None,
+            "weight_transfer_config": self.weight_transfer_config(),
         }
         return web.json_response({
             "vllm_config": config if fmt == "json" else str(config),
@@ -163,7 +167,12 @@ class VllmCompat:
         return web.json_response({"world_size": parallel["world_size_across_dp" if include_dp else "world_size"]})
 
     async def weight_info(self, _request: web.Request) -> web.Response:
-        return web.json_response({"weight_version": str(self.core.policy_version)})
+        return web.json_response({"weight_version": self.front.version_label(self.core.policy_version)})
+
+    def weight_versions(self, s: Sample) -> list[dict]:
+        """vLLM's `WeightVersionSpan`s of a sample: output tokens `[start, end)`
+        sampled by the weights labelled `version`."""
+        return [{"version": self.front.version_label(v), "start": a, "end": a + n} for v, a, n in s.versions.segments]
 
     async def reset_prefix_cache(self, _request: web.Request) -> web.Response:
         # Prefix caches are partitioned by policy version (cache_salt): no
@@ -247,7 +256,7 @@ class VllmCompat:
                 s = event.sample
                 await send({"index": s.index, "finish_reason": FINISH_REASONS.get(s.finish_reason, "stop"),
                             "stop_reason": None, "token_ids": [], "logprobs": None,
-                            "weight_versions": weight_versions(s)},
+                            "weight_versions": self.weight_versions(s)},
                            usage_of(generated[s.index]) if continuous else None)
         if include_usage:
             await send(None, usage_of(sum(generated)))
@@ -344,6 +353,6 @@ class VllmCompat:
             "stop_reason": None,
             "token_ids": s.response_token_ids,
             "logprobs": {"content": content} if content is not None else None,
-            "weight_versions": weight_versions(s),
+            "weight_versions": self.weight_versions(s),
             "policy_versions": [{"version": v, "start": a, "length": n} for v, a, n in s.versions.segments],
         }

@@ -15,10 +15,7 @@ for the whole fleet; they need the weights token (api/auth.py).
   own `request_id`); each answers at once with what it generated. Without
   ids, every open group, as rollout.v1's `Abort(all)`. `{"status":
   "aborted", "aborted": n}`.
-- The weight-transfer routes answer 501 with a JSON error naming the
-  route: weights reach this service through `PushWeights` (gRPC), e.g.
-  `trainer_client.RolloutClient.push_weights`, or for TRL
-  `trainer_client.trl` (docs/trl.md).
+- The weight-transfer routes are in api/vllm_weights.py.
 """
 from __future__ import annotations
 
@@ -29,23 +26,6 @@ from aiohttp import web
 from rollout_service.api.openai_http import (BadRequest, OpenAIFrontEnd, _short, error_response, query_flag,
                                              read_body)
 from rollout_service.core.rollout import CoreError, RolloutCore
-
-WEIGHT_TRANSFER_PATHS = (
-    "/init_weight_transfer_engine",
-    "/shutdown_weight_transfer_engine",
-    "/start_weight_update",
-    "/start_draft_weight_update",
-    "/update_weights",
-    "/finish_weight_update",
-    "/update_weight_version",
-)
-
-NO_NCCL = (
-    "this rollout-service side server has no NCCL weight-transfer engine: push weights over gRPC "
-    "PushWeights instead (trainer_client.RolloutClient.push_weights, or for TRL the helpers in "
-    "trainer_client.trl; see docs/trl.md)"
-)
-
 
 class VllmControl:
     """vLLM's pause, resume and abort routes over the core's fleet."""
@@ -59,8 +39,6 @@ class VllmControl:
         app.router.add_post("/resume", self.resume)
         app.router.add_get("/is_paused", self.is_paused)
         app.router.add_post("/abort_requests", self.abort_requests)
-        for path in WEIGHT_TRANSFER_PATHS:
-            app.router.add_post(path, self.weight_transfer)
 
     async def pause(self, request: web.Request) -> web.Response:
         mode = request.query.get("mode", "abort")
@@ -109,6 +87,3 @@ class VllmControl:
         if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
             raise BadRequest("request_ids", f"must be a list of request ids, got {_short(ids)}")
         return ids
-
-    async def weight_transfer(self, request: web.Request) -> web.Response:
-        return error_response(501, f"{request.path}: {NO_NCCL}", kind="not_implemented")
