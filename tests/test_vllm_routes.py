@@ -295,18 +295,14 @@ class HttpWeightSync:
         self._post("finish_weight_update", {"weight_version": weight_version} if weight_version else None)
 
 
-async def test_weight_transfer_routes_push_once_to_every_engine_and_the_version_goes_live(fleet):
-    """The gloo trainer engine drives the routes: one group over both
-    engines, each byte sent once, the version live on every engine at
-    finish; /update_weight_version relabels it in /weight_info and spans."""
-    torch = pytest.importorskip("torch")
+async def _push_over_routes(port: int, state_dict: dict) -> int:
+    """One push by the gloo trainer engine over the routes; the bytes it sent."""
     from rollout_proto.gloo_trainer import GlooTrainerInitInfo, GlooTrainerWeightTransferEngine
     from trainer_client.collective import StateDictSource, free_port
 
-    port, before = fleet.http_port, fleet.core.policy_version
     _, world = await _call(port, "GET", "/get_world_size")
     source = StateDictSource()
-    source.state_dict = {"w": torch.ones(1024), "b": torch.zeros(3, 5)}
+    source.state_dict = state_dict
 
     def push():
         info = GlooTrainerInitInfo("127.0.0.1", free_port(), world["world_size"] + 1, timeout_s=30)
@@ -318,7 +314,25 @@ async def test_weight_transfer_routes_push_once_to_every_engine_and_the_version_
         finally:
             engine.shutdown()
 
-    sent = await asyncio.to_thread(push)
+    return await asyncio.wait_for(asyncio.to_thread(push), 120)
+
+
+async def test_the_trainer_sends_the_same_bytes_to_one_engine_as_to_two(fleet):
+    torch = pytest.importorskip("torch")
+    state = {"w": torch.ones(4096)}
+    async with running(sim_config(num_engines=1)) as one:
+        alone = await _push_over_routes(one.http_port, state)
+        assert one.core.policy_version == 1
+    assert alone == await _push_over_routes(fleet.http_port, state) == 4 * 4096
+
+
+async def test_weight_transfer_routes_push_once_to_every_engine_and_the_version_goes_live(fleet):
+    """The gloo trainer engine drives the routes: one group over both
+    engines, each byte sent once, the version live on every engine at
+    finish; /update_weight_version relabels it in /weight_info and spans."""
+    torch = pytest.importorskip("torch")
+    port, before = fleet.http_port, fleet.core.policy_version
+    sent = await _push_over_routes(port, {"w": torch.ones(1024), "b": torch.zeros(3, 5)})
     assert sent == 4 * (1024 + 15)  # once, for both engines
     assert fleet.core.policy_version == before + 1
     assert {e.load().policy_version for e in fleet.core.engines.values()} == {before + 1}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import time
 
 import pytest
 
@@ -145,21 +146,84 @@ async def test_pause_keep_push_resume_one_choice_spans_both_versions_where_the_p
 
 
 async def test_cache_salt_gives_a_request_its_own_prefix_cache_partition(vllm_service):
-    prompt = [1 + (i * 7) % 60 for i in range(96)]
+    """The same prompt and salt again reuses its KV (vLLM's own prefix-cache
+    counters); another salt computes it again."""
+    prompt = [1 + (i * 7) % 60 for i in range(300)]  # whole blocks of vLLM's CPU block size (128)
 
-    def hits() -> int:
-        return sum(e.load().prefix_cache_hit_tokens for e in vllm_service.core.engines.values())
+    def counters() -> tuple[int, int]:
+        loads = [e.load() for e in vllm_service.core.engines.values()]
+        return sum(x.prefix_cache_queried_tokens for x in loads), sum(x.prefix_cache_hit_tokens for x in loads)
 
-    async def once(salt: str) -> None:
+    async def hits(salt: str) -> int:
+        queried, hit = counters()
         status, r = await _call(vllm_service.http_port, "POST", "/v1/completions",
                                 {"prompt": prompt, "max_tokens": 2, "cache_salt": salt}, {"X-Session-ID": "salted"})
         assert status == 200, r
+        # The stat logger records a step's counters right after its outputs.
+        await wait_until(lambda: counters()[0] >= queried + len(prompt), 10, "the engines' prefix-cache counters")
+        return counters()[1] - hit
 
-    await once("alice")
-    before = hits()
-    await once("alice")
-    await asyncio.sleep(0.5)  # the engines' stats arrive with their next step
-    reused = hits() - before
-    await once("bob")
-    await asyncio.sleep(0.5)
-    assert reused >= 64 and hits() - before == reused
+    assert await hits("alice") == 0
+    assert await hits("alice") >= 128  # whole blocks of it
+    assert await hits("bob") == 0
+
+
+async def test_vllms_http_weight_sync_client_pushes_a_perturbed_model_that_then_serves(vllm_service):
+    """vLLM's own trainer side: `HTTPVLLMWeightSyncClient` driving the gloo
+    trainer engine (through vLLM's trainer factory) over the routes, a
+    perturbed state dict pushed once to both engines; the served logprobs
+    are the pushed model's (a transformers recomputation, < 1e-3 nats) and
+    /weight_info names the version. (Last here: it leaves the perturbed
+    weights serving.)"""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+    from rollout_proto.gloo_trainer import GlooTrainerInitInfo
+    from trainer_client.collective import StateDictSource, free_port, trainer_engine
+
+    port, before = vllm_service.http_port, vllm_service.core.policy_version
+    _, info = await _call(port, "GET", "/server_info?config_format=json")
+    assert info["vllm_config"]["weight_transfer_config"] == {"backend": "gloo"}
+    names = info["rollout_service"]["checkpoint_tensors"]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(vllm_model(), dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    state = model.state_dict()
+    source = StateDictSource()
+    source.state_dict = {n: state[n] for n in names}
+    _, world = await _call(port, "GET", "/get_world_size")
+    # The service's own collective push of the same bytes (its group formed by a first push), for comparison.
+    async with connect(vllm_service, "grpc-push") as c:
+        await c.push_weights_collective(source.state_dict, version=before + 1)
+        t0 = time.perf_counter()
+        await c.push_weights_collective(source.state_dict, version=before + 2)
+        grpc_s = time.perf_counter() - t0
+        await c.close_collective()
+
+    def push():
+        init = GlooTrainerInitInfo("127.0.0.1", free_port(), world["world_size"] + 1, timeout_s=60)
+        engine = trainer_engine(init, HTTPVLLMWeightSyncClient(f"http://127.0.0.1:{port}"), source)
+        try:
+            t0 = time.perf_counter()
+            engine.send_weights()
+            return engine.bytes_sent, time.perf_counter() - t0
+        finally:
+            engine.shutdown()
+
+    sent, http_s = await asyncio.wait_for(asyncio.to_thread(push), 300)
+    assert sent == sum(t.numel() * t.element_size() for t in source.state_dict.values())  # once for both engines
+    assert await _call(port, "GET", "/weight_info") == (200, {"weight_version": str(before + 3)})
+    status, reply = await _call(port, "POST", "/v1/completions", {
+        "prompt": PROMPT, "max_tokens": 24, "temperature": 1.0, "logprobs": 0, "return_token_ids": True})
+    assert status == 200 and reply["policy_version"] == before + 3
+    ids = reply["choices"][0]["token_ids"]
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPT + ids])).logits[0, len(PROMPT) - 1:-1]
+    expected = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(ids)[:, None])[:, 0]
+    gap = (expected - torch.tensor(reply["choices"][0]["logprobs"]["token_logprobs"])).abs().max().item()
+    print(json.dumps({"pushed_bytes": sent, "vllm_routes_push_s": round(http_s, 3), "grpc_collective_push_s":
+                      round(grpc_s, 3), "logprob_gap": gap}))
+    assert gap < 1e-3

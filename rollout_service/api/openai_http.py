@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import math
 import time
@@ -636,12 +637,14 @@ class OpenAIFrontEnd:
         return f"token_id:{t}" if ids_only else self._text([t])
 
     def _logprobs(self, ids: list[int], logprobs: list[float], chat: bool, ids_only: bool = False,
-                  alternatives: int = 0, tops: list | None = None) -> dict:
+                  alternatives: int = 0, tops: list | None = None, offset: int = 0) -> dict:
         """Logprobs as vLLM returns them: per token the sampled one, and its
         alternatives in vLLM's order (the sampled token first, then the top
         ones by rank): chat lists the first `top_logprobs` of them,
-        completions maps the first `logprobs` + 1. Where an engine reported
-        no alternatives (simulated engines) only the sampled token is known."""
+        completions maps the first `logprobs` + 1, with each token's
+        `text_offset` (characters of the tokens before it, from `offset`).
+        Where an engine reported no alternatives (simulated engines) only
+        the sampled token is known."""
         tokens = [self._token(t, ids_only) for t in ids]
         lps = [max(lp, -9999.0) for lp in logprobs]
         tops = list(tops or [])
@@ -655,7 +658,7 @@ class OpenAIFrontEnd:
         return {"tokens": tokens, "token_logprobs": lps,
                 "top_logprobs": [{self._token(a, ids_only): max(alp, -9999.0) for a, alp in top[:alternatives + 1]}
                                  for top in tops],
-                "text_offset": None}
+                "text_offset": list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=offset))[:len(tokens)]}
 
     def _choice(self, s: Sample, chat: bool, want_logprobs: bool, ids_only: bool = False, index: int | None = None,
                 with_prompt: bool = False, sampling: SamplingParams | None = None, include_stop: bool = False,
@@ -710,6 +713,7 @@ class OpenAIFrontEnd:
                            self.core.policy_version)
         prompt_tokens = len(group.spec.prompt_token_ids)
         completion_tokens = 0
+        offsets = [0] * group.spec.num_samples  # characters of the tokens streamed so far (logprobs' text_offset)
         async for event in self.events(group):
             if isinstance(event, DeltaEvent):
                 index, delta = event.index, event.delta
@@ -717,7 +721,9 @@ class OpenAIFrontEnd:
                     continue
                 piece = texts[index].push(delta.token_ids)
                 logprobs = (self._logprobs(delta.token_ids, delta.logprobs, chat, ids_only, sampling.logprobs,
-                                           delta.top_logprobs) if want_logprobs else None)
+                                           delta.top_logprobs, offsets[index]) if want_logprobs else None)
+                if logprobs is not None and not chat:
+                    offsets[index] += sum(len(t) for t in logprobs["tokens"])
                 await send([content({"index": index, "finish_reason": None, "token_ids": delta.token_ids,
                                      "logprobs": logprobs}, piece)], delta.version)
             elif isinstance(event, SampleEvent):

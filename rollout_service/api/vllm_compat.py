@@ -64,6 +64,8 @@ _GENERATE_SAMPLING_KEYS = {"n", "max_tokens", "temperature", "top_p", "top_k", "
 _GENERATE_NEUTRAL = {"output_mode": ("tokens",), "priority": (0,), "kv_transfer_params": (None,),
                      "ec_transfer_params": (None,), "reasoning_ended": (None,), "reasoning_parser_kwargs": (None,),
                      "token_offsets": (None,)}
+
+
 def _renamed(exc: BadRequest, param: str) -> BadRequest:
     return BadRequest(param, str(exc).removeprefix(f"{exc.param}: "))
 
