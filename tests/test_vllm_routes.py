@@ -182,9 +182,20 @@ async def test_abort_requests_by_id_answers_that_request_only(fleet):
     await first.done(10)
     assert first.finals()[0]["finish_reason"] == "abort" and first.chunks[0]["request_id"] == "generate-tokens-first"
     assert not second.task.done()
-    await _call(port, "POST", "/abort_requests", {})  # all
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session:  # vLLM's generate-router abort: an empty 200
+        async with session.post(f"http://127.0.0.1:{port}/inference/v1/abort_requests",
+                                json={"request_ids": ["second"]}) as r:
+            assert r.status == 200 and await r.read() == b""
     await second.done(10)
     assert second.finals()[0]["finish_reason"] == "abort"
+    assert (await _call(port, "POST", "/inference/v1/abort_requests", {}))[1]["error"]["param"] == "request_ids"
+    third = Stream(port, _long(300))
+    await wait_until(lambda: third.tokens, 30, "the third request to start")
+    assert (await _call(port, "POST", "/abort_requests", {}))[0] == 200  # no ids: every open group
+    await third.done(10)
+    assert third.finals()[0]["finish_reason"] == "abort" and not fleet.core.groups
 
 
 async def test_session_header_keeps_a_session_on_one_engine(fleet):

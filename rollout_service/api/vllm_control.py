@@ -14,7 +14,8 @@ for the whole fleet; they need the weights token (api/auth.py).
   the HTTP front ends (the ids their answers carry, or a generate request's
   own `request_id`); each answers at once with what it generated. Without
   ids, every open group, as rollout.v1's `Abort(all)`. `{"status":
-  "aborted", "aborted": n}`.
+  "aborted", "aborted": n}`. `POST /inference/v1/abort_requests` (vLLM's
+  tokens-in/tokens-out router; the submit token): the named requests only.
 - The weight-transfer routes are in api/vllm_weights.py.
 """
 from __future__ import annotations
@@ -39,6 +40,7 @@ class VllmControl:
         app.router.add_post("/resume", self.resume)
         app.router.add_get("/is_paused", self.is_paused)
         app.router.add_post("/abort_requests", self.abort_requests)
+        app.router.add_post("/inference/v1/abort_requests", self.abort_generate)
 
     async def pause(self, request: web.Request) -> web.Response:
         mode = request.query.get("mode", "abort")
@@ -68,11 +70,27 @@ class VllmControl:
         if not ids:
             count, _ = await self.core.abort(all_groups=True)
             return web.json_response({"status": "aborted", "aborted": count})
+        await self._abort_named(ids)
+        return web.json_response({"status": "aborted", "aborted": len(ids)})
+
+    async def abort_generate(self, request: web.Request) -> web.Response:
+        """vLLM's tokens-in/tokens-out abort: the named requests only (the
+        submit token suffices, as for generating); an empty 200."""
+        try:
+            raw = await read_body(request)
+            if b"request_ids" not in raw:
+                raise BadRequest("request_ids", "Missing 'request_ids' in request body")
+            ids = self._request_ids(raw)
+        except BadRequest as exc:
+            return error_response(400, str(exc), exc.param)
+        await self._abort_named(ids)
+        return web.Response(status=200)
+
+    async def _abort_named(self, ids: list[str]) -> None:
         groups = {g for rid in ids for g in self.front.inflight.get(rid, ())}
         live = [g for g in groups if g in self.core.groups]
         if live:
             await self.core.abort(live)
-        return web.json_response({"status": "aborted", "aborted": len(ids)})
 
     @staticmethod
     def _request_ids(raw: bytes) -> list[str]:
