@@ -355,3 +355,38 @@ async def test_weight_transfer_routes_push_once_to_every_engine_and_the_version_
     assert status == 200 and r["choices"][0]["weight_versions"] == [{"version": "step-7", "start": 0, "end": 4}]
     await _call(port, "POST", "/shutdown_weight_transfer_engine")
     assert fleet.core.collective.plan_in_force is None
+
+
+class NeverFinishes(HttpWeightSync):
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        pass  # a trainer that died between update_weights and finish_weight_update
+
+
+async def test_a_push_never_finished_is_abandoned_and_the_previous_version_serves(fleet):
+    torch = pytest.importorskip("torch")
+    from rollout_proto.gloo_trainer import GlooTrainerInitInfo, GlooTrainerWeightTransferEngine
+    from trainer_client.collective import StateDictSource, free_port
+
+    port, before = fleet.http_port, fleet.core.policy_version
+    _, label = await _call(port, "GET", "/weight_info")
+    _, world = await _call(port, "GET", "/get_world_size")
+    source = StateDictSource()
+    source.state_dict = {"w": torch.ones(64)}
+
+    def push():
+        info = GlooTrainerInitInfo("127.0.0.1", free_port(), world["world_size"] + 1, timeout_s=2)
+        engine = GlooTrainerWeightTransferEngine.trainer_init(info, client=NeverFinishes(f"http://127.0.0.1:{port}"),
+                                                              source=source)
+        try:
+            engine.send_weights()
+        finally:
+            engine.shutdown()
+
+    await asyncio.wait_for(asyncio.to_thread(push), 60)
+    await wait_until(lambda: fleet.core.collective.plan_in_force is None, 10, "the push to be abandoned")
+    assert fleet.core.policy_version == before
+    assert await _call(port, "GET", "/weight_info") == (200, label)
+    status, r = await _call(port, "POST", "/start_weight_update")  # not "already open": the group is gone
+    assert status == 409 and "/init_weight_transfer_engine" in r["error"]["message"]
+    status, r = await _call(port, "POST", "/inference/v1/generate", _long(3))
+    assert status == 200 and r["choices"][0]["weight_versions"][0]["version"] == label["weight_version"]

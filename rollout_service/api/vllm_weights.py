@@ -167,8 +167,13 @@ class VllmWeightTransfer:
             # trainer that never calls it gets the push abandoned.
             await asyncio.wait_for(push.finish.wait(), timeout)
 
+        def ended(task: asyncio.Task) -> None:
+            # Failed or abandoned (no finish in time): the next push may start.
+            if self._push is push and (task.cancelled() or task.exception() is not None):
+                self._push = None
+
         push.task = asyncio.ensure_future(self.core.push_collective(version, manifest, accepted, received))
-        push.task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved even if none waits
+        push.task.add_done_callback(ended)
         waiter = asyncio.ensure_future(push.received.wait())
         await asyncio.wait({waiter, push.task}, return_when=asyncio.FIRST_COMPLETED)
         waiter.cancel()
