@@ -152,9 +152,12 @@ def test_every_rpc_answers_random_and_oversized_values_with_a_status_naming_them
 
 
 ROUTES = [("GET", p) for p in ("/healthz", "/health", "/readyz", "/metrics", "/v1/status", "/v1/models",
-                                "/server_info", "/get_world_size", "/weight_info")]
+                                "/server_info", "/get_world_size", "/weight_info", "/is_paused", "/version")]
+# Not /pause: a pause holds every later request of the run.
 ROUTES += [("POST", p) for p in ("/v1/completions", "/v1/chat/completions", "/inference/v1/generate",
-                                 "/reset_prefix_cache", "/init_weight_transfer_engine", "/update_weights")]
+                                 "/reset_prefix_cache", "/init_weight_transfer_engine", "/update_weights",
+                                 "/start_weight_update", "/finish_weight_update", "/update_weight_version",
+                                 "/abort_requests")]
 KEYS = ["model", "prompt", "messages", "n", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
         "seed", "stream", "stream_options", "logprobs", "top_logprobs", "stop", "stop_token_ids", "min_tokens",
         "ignore_eos", "user", "return_token_ids", "return_tokens_as_token_ids", "include_stop_str_in_output",

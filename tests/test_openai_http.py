@@ -75,7 +75,7 @@ async def _post(port, path, body) -> tuple[int, dict]:
     # Every list and string field has a limit (docs/api.md#limits); a number out of range is a 400, however large.
     ("/v1/completions", {"prompt": [1, 2], "max_tokens": 10**400}, "max_tokens"),
     ("/v1/completions", {"prompt": [1, 2], "n": -10**400}, "n"),
-    ("/v1/completions", {"prompt": [1, 2], "seed": 2**62}, "seed"),
+    ("/v1/completions", {"prompt": [1, 2], "seed": 2**63}, "seed"),
     ("/v1/completions", {"prompt": [1, 2], "stop": ["x" * 257]}, "stop"),
     ("/v1/completions", {"prompt": [1, 2], "stop_token_ids": [2] * 257}, "stop_token_ids"),
     ("/v1/completions", {"prompt": "x" * 1_000_001}, "prompt"),

@@ -40,7 +40,7 @@ BAD_SUBMITS = [
     ({"sampling.min_tokens": 17}, "groups[0].sampling.min_tokens"),
     # Every list and string field has a limit (docs/api.md#limits).
     ({"sampling.stop_token_ids": [2] * 257}, "groups[0].sampling.stop_token_ids"),
-    ({"sampling.seed": 2**62}, "groups[0].sampling.seed"),
+    ({"sampling.seed": 2**63}, "groups[0].sampling.seed"),
     ({"prompt_token_ids": [1] * 4096}, "groups[0].prompt_token_ids"),
     ({"prompt_text": "x" * 1_000_001}, "groups[0].prompt_text"),
     ({"group_id": "g" * 257}, "groups[0].group_id"),

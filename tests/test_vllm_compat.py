@@ -21,7 +21,7 @@ async def test_server_info_world_size_and_weight_info(sim_service):
     status, info = await _call(port, "GET", "/server_info?config_format=json")
     assert status == 200
     cfg = info["vllm_config"]
-    assert cfg["weight_transfer_config"] is None
+    assert cfg["weight_transfer_config"] == {"backend": "gloo"}  # the weight-transfer routes, on CPUs
     assert cfg["model_config"]["logprobs_mode"] == "processed_logprobs"
     assert cfg["model_config"]["model"] == sim_service.model_name
     assert info["rollout_service"]["policy_version"] == sim_service.core.policy_version
@@ -33,12 +33,23 @@ async def test_server_info_world_size_and_weight_info(sim_service):
     assert await _call(port, "POST", "/reset_prefix_cache") == (200, {"success": True})
 
 
-@pytest.mark.parametrize("path", ["/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
-                                  "/finish_weight_update"])
-async def test_nccl_weight_transfer_answers_501_naming_the_push_path(sim_service, path):
-    status, body = await _call(sim_service.http_port, "POST", path, {"init_info": {}})
-    assert status == 501
-    assert "PushWeights" in body["error"]["message"] and "docs/trl.md" in body["error"]["message"]
+@pytest.mark.parametrize("path,body,status,param", [
+    ("/init_weight_transfer_engine", {"init_info": {}}, 400, "init_info.master_address"),
+    ("/init_weight_transfer_engine", {"init_info": {"master_address": "127.0.0.1", "master_port": 29500,
+                                                    "world_size": 3, "rank_offset": 2}}, 400, "init_info.rank_offset"),
+    ("/start_weight_update", None, 409, None),
+    ("/update_weights", {"update_info": {"names": ["w"], "dtype_names": ["float32"], "shapes": [[2, "x"]]}},
+     400, "update_info.shapes[0]"),
+    ("/finish_weight_update", None, 409, None),
+    ("/start_draft_weight_update", None, 501, None),
+])
+async def test_weight_transfer_routes_refuse_out_of_order_or_malformed_calls_naming_them(sim_service, path, body,
+                                                                                          status, param):
+    got, r = await _call(sim_service.http_port, "POST", path, body)
+    assert got == status and r["error"]["param"] == param and r["error"]["code"] == status, r
+    if status == 409:
+        assert "/init_weight_transfer_engine" in r["error"]["message"] or "/start_weight_update" in r["error"][
+            "message"]
 
 
 async def test_batched_completions_with_vllm_extensions(sim_service):
@@ -72,8 +83,9 @@ async def test_unsupported_sampling_settings_get_400(sim_service, body, param):
 
 async def test_tokens_in_tokens_out_generate(sim_service):
     status, r = await _call(sim_service.http_port, "POST", "/inference/v1/generate", {
-        "request_id": "r1", "token_ids": [1, 10, 11], "sampling_params": {"n": 3, "max_tokens": 4, "logprobs": 0}})
-    assert status == 200 and r["request_id"] == "r1" and r["prompt_token_ids"] == [1, 10, 11]
+        "request_id": "r1", "token_ids": [1, 10, 11], "return_token_ids": True,
+        "sampling_params": {"n": 3, "max_tokens": 4, "logprobs": 0}})
+    assert status == 200 and r["request_id"] == "generate-tokens-r1" and r["prompt_token_ids"] == [1, 10, 11]
     assert [c["index"] for c in r["choices"]] == [0, 1, 2]
     for c in r["choices"]:
         content = c["logprobs"]["content"]
@@ -87,7 +99,7 @@ async def test_tokens_in_tokens_out_generate(sim_service):
                         ({"token_ids": [1, 2], "sampling_params": {"frequency_penalty": 0.3}},
                          "sampling_params.frequency_penalty"),
                         ({"token_ids": [1, 2], "sampling_params": {"bogus": 1}}, "sampling_params.bogus"),
-                        ({"token_ids": [1, 2], "cache_salt": "x"}, "cache_salt")]:
+                        ({"token_ids": [1, 2], "kv_transfer_params": {"x": 1}}, "kv_transfer_params")]:
         status, r = await _call(sim_service.http_port, "POST", "/inference/v1/generate", body)
         assert status == 400 and r["error"]["param"] == param, r
 
@@ -108,7 +120,7 @@ async def test_trl_vllm_client_generates_unchanged(sim_service):
     assert len(out["completion_ids"]) == 6
     for ids, lps, lp_ids in zip(out["completion_ids"], out["logprobs"], out["logprob_token_ids"]):
         assert [x[0] for x in lp_ids] == ids and len(lps) == len(ids)
-    assert info["weight_transfer_config"] is None
+    assert info["weight_transfer_config"] == {"backend": "gloo"}
 
 
 async def test_stock_trl_weight_sync_is_refused_clearly(sim_service):
@@ -116,7 +128,7 @@ async def test_stock_trl_weight_sync_is_refused_clearly(sim_service):
 
     def run():
         client = client_mod.VLLMClient(base_url=f"http://127.0.0.1:{sim_service.http_port}")
-        with pytest.raises(RuntimeError, match="weight-transfer engine"):
+        with pytest.raises(NotImplementedError, match="CUDA"):  # stock TRL syncs over NCCL only
             client.init_communicator(device="cpu")
 
     await asyncio.to_thread(run)

@@ -2,7 +2,8 @@
 
 Two kinds of token: `submit` tokens may generate (Submit, StreamSamples,
 Ack, Abort, GetStatus, the OpenAI endpoints); `weights` tokens may also push
-weights. With no token configured, authentication is off. Tokens are
+weights and use vLLM's control routes (`WEIGHTS_HTTP`: pause, resume,
+abort, weight transfer). With no token configured, authentication is off. Tokens are
 compared in constant time and never logged.
 """
 from __future__ import annotations
@@ -14,6 +15,11 @@ from aiohttp import web
 
 _SERVICE_PREFIX = "/rollout.v1.RolloutService/"
 _OPEN_HTTP = ("/healthz", "/health", "/readyz", "/metrics")
+# HTTP routes that change what the fleet serves or stop others' requests
+# (vLLM's RL control routes): the weights token, as PushWeights.
+WEIGHTS_HTTP = frozenset({"/pause", "/resume", "/abort_requests", "/init_weight_transfer_engine",
+                          "/shutdown_weight_transfer_engine", "/start_weight_update", "/start_draft_weight_update",
+                          "/update_weights", "/finish_weight_update", "/update_weight_version"})
 
 
 # RPCs that change the served weights (or the group that carries them).
@@ -45,7 +51,7 @@ class TokenAuth:
             return None
         if self._match(token, self._submit):
             if need == "weights":
-                return grpc.StatusCode.PERMISSION_DENIED, "authorization: this token may not push weights"
+                return grpc.StatusCode.PERMISSION_DENIED, "authorization: this token may not push weights or pause the fleet"
             return None
         return grpc.StatusCode.UNAUTHENTICATED, "authorization: invalid token"
 
@@ -88,12 +94,13 @@ def http_middleware(auth: TokenAuth):
     @web.middleware
     async def middleware(request: web.Request, handler):
         if request.path not in _OPEN_HTTP:
-            refusal = auth.check(request.headers.get("Authorization"), "submit")
+            need = "weights" if request.path in WEIGHTS_HTTP else "submit"
+            refusal = auth.check(request.headers.get("Authorization"), need)
             if refusal is not None:
                 code, message = refusal
                 status = 401 if code == grpc.StatusCode.UNAUTHENTICATED else 403
                 return web.json_response({"error": {"message": message, "type": "authentication_error",
-                                                    "param": "authorization", "code": None}}, status=status)
+                                                    "param": "authorization", "code": status}}, status=status)
         return await handler(request)
 
     return middleware

@@ -83,8 +83,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
 
 def error_json(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> web.Response:
-    """An OpenAI-shaped JSON error: `param` names the offending field."""
-    return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": None}},
+    """vLLM's (OpenAI-shaped) JSON error: `param` names the offending field,
+    `code` is the HTTP status."""
+    return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": status}},
                              status=status)
 
 

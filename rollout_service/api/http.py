@@ -11,6 +11,8 @@ from rollout_service.api.errors import http_errors
 from rollout_service.api.metrics import metrics_registry
 from rollout_service.api.openai_http import MAX_BODY_BYTES, OpenAIFrontEnd
 from rollout_service.api.vllm_compat import VllmCompat
+from rollout_service.api.vllm_control import VllmControl
+from rollout_service.api.vllm_weights import VllmWeightTransfer
 from rollout_service.core.rollout import RolloutCore
 from rollout_service.core.status import CoreStatus
 
@@ -69,4 +71,6 @@ def make_app(core: RolloutCore, openai: "OpenAIFrontEnd | None" = None,
     if openai is not None:
         openai.routes(app)
         VllmCompat(openai).routes(app)  # the rest of `vllm serve`'s surface
+        VllmControl(openai).routes(app)  # and its RL control routes
+        VllmWeightTransfer(openai).routes(app)  # and weight transfer, onto the collective push
     return app

@@ -25,6 +25,8 @@ Bodies over INLINE_BODY_BYTES are parsed, tokenized and checked in a thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import json
 import math
 import time
@@ -36,7 +38,7 @@ from rollout_service.api.validation import (MAX_ID_CHARS, MAX_SEED, MAX_STOP_CHA
                                             MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MAX_TEXT_CHARS, ModelLimits)
 from rollout_service.core.rollout import CoreError, RolloutCore
 from rollout_service.engines.types import FinishReason, SamplingParams
-from rollout_service.lifecycle.types import DeltaEvent, GroupSpec, Sample, SampleEvent
+from rollout_service.lifecycle.types import CACHE_SALT_KEY, DeltaEvent, GroupSpec, Sample, SampleEvent
 from rollout_service.scheduling.affinity import SESSION_KEY
 
 # FinishReason -> OpenAI's finish_reason.
@@ -49,7 +51,7 @@ _NEUTRAL = {"min_p": (0.0,), "repetition_penalty": (1.0,), "presence_penalty": (
 # Keys each endpoint honours (besides _NEUTRAL's); anything else is a 400.
 _COMMON_KEYS = {"model", "n", "max_tokens", "temperature", "top_p", "top_k", "seed", "stream", "stream_options",
                 "logprobs", "stop", "stop_token_ids", "include_stop_str_in_output", "min_tokens", "ignore_eos",
-                "user", "return_token_ids", "return_tokens_as_token_ids"}
+                "user", "return_token_ids", "return_tokens_as_token_ids", "cache_salt"}
 _COMPLETION_KEYS = _COMMON_KEYS | {"prompt"}
 _CHAT_KEYS = _COMMON_KEYS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice"}
 # Known OpenAI / vLLM request keys that are not implemented: "unsupported", not "unknown".
@@ -59,7 +61,7 @@ _UNSUPPORTED = {"functions", "function_call", "audio", "modalities", "prediction
                 "guided_choice", "guided_grammar", "guided_decoding_backend", "skip_special_tokens",
                 "spaces_between_special_tokens", "truncate_prompt_tokens", "add_special_tokens",
                 "add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs",
-                "documents", "priority", "request_id", "cache_salt", "logits_processors", "vllm_xargs",
+                "documents", "priority", "request_id", "logits_processors", "vllm_xargs",
                 "kv_transfer_params", "prompt_embeds", "echo", "suffix", "logit_bias", "best_of",
                 "response_format", "parallel_tool_calls"} | set(_NEUTRAL)
 SESSION_HEADER = "X-Session-Id"
@@ -80,6 +82,34 @@ async def read_body(request: web.Request) -> bytes:
         raise BadRequest("body", f"must be at most {MAX_BODY_BYTES} bytes, got {request.content_length}") from None
 
 
+_TRUE = {"1", "true", "t", "yes", "y", "on"}
+_FALSE = {"0", "false", "f", "no", "n", "off"}
+
+
+def query_flag(request: web.Request, name: str, default: bool) -> bool:
+    """A boolean query parameter as FastAPI reads it ("true", "0", "yes",
+    ...); BadRequest naming it otherwise."""
+    value = request.query.get(name)
+    if value is None:
+        return default
+    if value.lower() in _TRUE:
+        return True
+    if value.lower() in _FALSE:
+        return False
+    raise BadRequest(name, f"must be a boolean, got {_short(value)}")
+
+
+MAX_CACHE_SALT_CHARS = 1024  # vLLM's limit
+
+
+def cache_salt(body: dict) -> str | None:
+    """The request's `cache_salt` (vLLM: 1-1024 characters); BadRequest naming it."""
+    salt = body.get("cache_salt")
+    if salt is not None and not (isinstance(salt, str) and 0 < len(salt) <= MAX_CACHE_SALT_CHARS):
+        raise BadRequest("cache_salt", f"must be a string of 1-{MAX_CACHE_SALT_CHARS} characters, got {_short(salt)}")
+    return salt
+
+
 class BadRequest(ValueError):
     def __init__(self, param: str, message: str) -> None:
         super().__init__(f"{param}: {message}")
@@ -88,8 +118,10 @@ class BadRequest(ValueError):
 
 def error_response(status: int, message: str, param: str | None = None,
                    kind: str = "invalid_request_error") -> web.Response:
-    """An OpenAI-shaped JSON error: `param` names the offending field."""
-    return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": None}}, status=status)
+    """vLLM's (OpenAI-shaped) JSON error: `param` names the offending field,
+    `code` is the HTTP status (vLLM's `ErrorResponse`)."""
+    return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": status}},
+                             status=status)
 
 
 def _number(body: dict, key: str, default, lo: float, hi: float, integer: bool = False, lo_open: bool = False):
@@ -223,6 +255,25 @@ class OpenAIFrontEnd:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.request_timeout_s = request_timeout_s  # seconds a request's groups may run before they are aborted
+        self.inflight: dict[str, list[str]] = {}  # request id -> its group ids, while it runs (/abort_requests)
+        self.version_labels: dict[int, str] = {}  # policy version -> vLLM weight-version label (str(version) if none)
+
+    def version_label(self, version: int) -> str:
+        return self.version_labels.get(version, str(version))
+
+    @contextlib.contextmanager
+    def tracking(self, request_ids: list[str], groups: list):
+        """Name a request's groups by its ids (vLLM's external request ids)
+        while the block runs."""
+        ids = [g.group_id for g in groups]
+        for rid in request_ids:
+            self.inflight[rid] = ids
+        try:
+            yield
+        finally:
+            for rid in request_ids:
+                if self.inflight.get(rid) is ids:
+                    del self.inflight[rid]
 
     def routes(self, app: web.Application) -> None:
         app.router.add_get("/v1/models", self.models)
@@ -476,9 +527,12 @@ class OpenAIFrontEnd:
             raise BadRequest("stream", "streams one prompt per request")
         include_usage = self._stream_options(body, stream)
         session = self.session_id(request, body)
-        if session is not None:
-            for spec, _ in specs:
+        salt = cache_salt(body)
+        for spec, _ in specs:
+            if session is not None:
                 spec.metadata[SESSION_KEY] = session
+            if salt is not None:
+                spec.metadata[CACHE_SALT_KEY] = salt
         return body, prompts, specs, stream, include_usage
 
     async def _run(self, request: web.Request, chat: bool, body: dict, prompts, specs, stream: bool,
@@ -495,6 +549,7 @@ class OpenAIFrontEnd:
                     groups.append(self.core.submit_private(spec))
             except CoreError as exc:
                 return error_response(429 if exc.code == "exhausted" else 400, str(exc), kind="server_overloaded")
+            self.inflight[rid] = [g.group_id for g in groups]
             if stream:
                 return await self._stream(request, groups[0], rid, created, chat, want_logprobs, include_usage,
                                           include_stop, ids_only)
@@ -517,6 +572,7 @@ class OpenAIFrontEnd:
                 response["prompt_token_ids"] = prompts[0]
             return web.json_response(response)
         finally:
+            self.inflight.pop(rid, None)
             live = [g.group_id for g in groups if g.group_id in self.core.groups]
             if live:  # the client went away (cancelled), or an error: free the engines
                 await self.core.abort(live)
@@ -581,12 +637,14 @@ class OpenAIFrontEnd:
         return f"token_id:{t}" if ids_only else self._text([t])
 
     def _logprobs(self, ids: list[int], logprobs: list[float], chat: bool, ids_only: bool = False,
-                  alternatives: int = 0, tops: list | None = None) -> dict:
+                  alternatives: int = 0, tops: list | None = None, offset: int = 0) -> dict:
         """Logprobs as vLLM returns them: per token the sampled one, and its
         alternatives in vLLM's order (the sampled token first, then the top
         ones by rank): chat lists the first `top_logprobs` of them,
-        completions maps the first `logprobs` + 1. Where an engine reported
-        no alternatives (simulated engines) only the sampled token is known."""
+        completions maps the first `logprobs` + 1, with each token's
+        `text_offset` (characters of the tokens before it, from `offset`).
+        Where an engine reported no alternatives (simulated engines) only
+        the sampled token is known."""
         tokens = [self._token(t, ids_only) for t in ids]
         lps = [max(lp, -9999.0) for lp in logprobs]
         tops = list(tops or [])
@@ -600,7 +658,7 @@ class OpenAIFrontEnd:
         return {"tokens": tokens, "token_logprobs": lps,
                 "top_logprobs": [{self._token(a, ids_only): max(alp, -9999.0) for a, alp in top[:alternatives + 1]}
                                  for top in tops],
-                "text_offset": None}
+                "text_offset": list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=offset))[:len(tokens)]}
 
     def _choice(self, s: Sample, chat: bool, want_logprobs: bool, ids_only: bool = False, index: int | None = None,
                 with_prompt: bool = False, sampling: SamplingParams | None = None, include_stop: bool = False,
@@ -655,6 +713,7 @@ class OpenAIFrontEnd:
                            self.core.policy_version)
         prompt_tokens = len(group.spec.prompt_token_ids)
         completion_tokens = 0
+        offsets = [0] * group.spec.num_samples  # characters of the tokens streamed so far (logprobs' text_offset)
         async for event in self.events(group):
             if isinstance(event, DeltaEvent):
                 index, delta = event.index, event.delta
@@ -662,7 +721,9 @@ class OpenAIFrontEnd:
                     continue
                 piece = texts[index].push(delta.token_ids)
                 logprobs = (self._logprobs(delta.token_ids, delta.logprobs, chat, ids_only, sampling.logprobs,
-                                           delta.top_logprobs) if want_logprobs else None)
+                                           delta.top_logprobs, offsets[index]) if want_logprobs else None)
+                if logprobs is not None and not chat:
+                    offsets[index] += sum(len(t) for t in logprobs["tokens"])
                 await send([content({"index": index, "finish_reason": None, "token_ids": delta.token_ids,
                                      "logprobs": logprobs}, piece)], delta.version)
             elif isinstance(event, SampleEvent):

@@ -22,7 +22,7 @@ MAX_ID_CHARS = 256
 MAX_METADATA_BYTES = 65_536  # characters of a group's metadata keys and values together
 MAX_STOP_TOKEN_IDS = 256
 MAX_TEXT_CHARS = 1_000_000  # a prompt or observation given as text
-MAX_SEED = 2**62 - 1  # room for the per-sample and per-attempt offsets (Request.engine_request)
+MAX_SEED = 2**63 - 1  # vLLM's (int64); per-sample and per-attempt offsets wrap (Request.engine_request)
 MAX_ABORT_GROUP_IDS = 4096
 # A Submit with more prompt texts than this, or more characters of text or
 # token ids than INLINE_PROMPT_UNITS, is validated in a worker thread:

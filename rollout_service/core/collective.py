@@ -62,7 +62,9 @@ class CollectiveTransfer:
         self._init_lock = asyncio.Lock()
         self.pushing: int | None = None  # the version being pushed
 
-    def plan(self, backend: str) -> TransferPlan:
+    def plan(self, backend: str, stage: bool | None = None) -> TransferPlan:
+        """The group for `backend` over the live engines (`stage`: with the
+        stager rank on gloo; None: as configured)."""
         if backend not in BACKENDS:
             raise CoreError("invalid", f"backend: must be one of {', '.join(BACKENDS)}, got {backend!r}")
         members, rank = [], 1
@@ -75,7 +77,7 @@ class CollectiveTransfer:
             rank += n
         if not members:
             raise CoreError("failed_precondition", "no engine is up to receive a collective push")
-        stager = rank if self.stage and backend == "gloo" else -1
+        stager = rank if (self.stage if stage is None else stage) and backend == "gloo" else -1
         return TransferPlan(backend, rank + (1 if stager >= 0 else 0), tuple(members), stager)
 
     async def check_devices(self, plan: TransferPlan, trainer: RankDevice | None) -> None:
@@ -100,11 +102,12 @@ class CollectiveTransfer:
             raise CoreError("failed_precondition", f"the transfer group cannot form: {why}")
 
     async def init(self, backend: str, address: str, port: int, world_size: int, timeout_s: float,
-                   options: Mapping[str, object], trainer: RankDevice | None = None) -> TransferPlan:
+                   options: Mapping[str, object], trainer: RankDevice | None = None,
+                   stage: bool | None = None) -> TransferPlan:
         if self.pushing is not None:
             raise CoreError("failed_precondition", f"a collective push (version {self.pushing}) is being applied")
         async with self._init_lock:
-            plan = self.plan(backend)
+            plan = self.plan(backend, stage)
             if world_size != plan.world_size:
                 raise CoreError("invalid", f"world_size: the group needs {plan.world_size} ranks (the trainer, "
                                            f"{plan.receivers} receiving), got {world_size}")

@@ -30,6 +30,7 @@ from rollout_service.core.clock import Clock
 from rollout_service.core.delivery import DeliveryLog
 from rollout_service.core.fleet import Fleet
 from rollout_service.core.histogram import Histogram
+from rollout_service.core.pause import FleetPause
 from rollout_service.core.rebalancing import Rebalancing
 from rollout_service.core.requests import RequestTable
 from rollout_service.core.snapshot import CoreSnapshot
@@ -40,7 +41,7 @@ from rollout_service.core.collective import CollectiveTransfer
 from rollout_service.core.weight_sync import WeightSync
 from rollout_service.engines.base import Engine
 from rollout_service.engines.stream import DeltaStream
-from rollout_service.engines.types import EngineLoad, FinishReason, TokenDelta
+from rollout_service.engines.types import EngineLoad, FinishReason, PartialResponse, TokenDelta
 from rollout_service.engines.weights import StagedWeights
 from rollout_service.lifecycle.types import (
     CoreError,
@@ -67,6 +68,19 @@ log = logging.getLogger(__name__)
 
 PLACEMENT_RETRY_S = (0.1, 5.0)  # back-off after a placement error: first, doubling up to
 MAX_FAILURES_WITHOUT_PROGRESS = 5  # a request failing this often in a row without a token is given up
+
+
+def _unseen(partial: PartialResponse, seen: int) -> list[TokenDelta]:
+    """The tokens of an aborted segment past the first `seen`, one delta per
+    run of one version."""
+    out: list[TokenDelta] = []
+    for i in range(seen, len(partial.token_ids)):
+        v = partial.versions[i]
+        if not out or out[-1].version != v:
+            out.append(TokenDelta([], [], v))
+        out[-1].token_ids.append(partial.token_ids[i])
+        out[-1].logprobs.append(partial.logprobs[i])
+    return out
 
 
 class Detokenizer(Protocol):
@@ -130,6 +144,7 @@ class RolloutCore:
         self.weight_sync = WeightSync(self.fleet, carry_over or CarryOverConfig(), self.counters,
                                       self.histograms["weight_update_seconds"], self.clock.monotonic)
         self.collective = CollectiveTransfer(self.fleet, self.weight_sync)  # collective pushes
+        self.pausing = FleetPause(self, self._wake.set, lambda: self.weight_sync.version)  # /pause, /resume
         # One predictor serves placement and rebalancing; it learns from every finish.
         self.rebalancing = Rebalancing(rebalance, predictor or placement.predictor or (LengthPredictor() if rebalance else None),
                                        self.fleet, self.requests, self.migrate, self.clock.monotonic)
@@ -411,8 +426,9 @@ class RolloutCore:
                 backoff, self.placement_error = first, ""
 
     def dispatch(self) -> None:
-        """Place what the queue holds (raises what placement raises)."""
-        if not self.queue:
+        """Place what the queue holds (raises what placement raises);
+        nothing while the fleet is paused."""
+        if not self.queue or self.pausing.paused:
             return
         loads = self.fleet.placeable_loads()
         if self.affinity:  # trajectories' next turns first, where their prefix is cached
@@ -647,9 +663,13 @@ class RolloutCore:
             # The engine's account of this segment is authoritative: it may hold
             # tokens the runner had not consumed yet (generated all the same).
             self.counters["tokens_generated"] += max(0, len(partial.token_ids) - (len(req.token_ids) - segment_start))
+            seen = len(req.token_ids) - segment_start
             del req.token_ids[segment_start:], req.logprobs[segment_start:]
             req.versions = req.versions.truncated(segment_start)
             req.append(partial.token_ids, partial.logprobs, partial.versions)
+            if req.group.listener is not None:  # a streaming caller gets the tokens its runner had not seen
+                for delta in _unseen(partial, seen):
+                    req.group.listener.put_nowait(DeltaEvent(req.index, delta))
         self._release(req)
 
     async def migrate(self, req: Request, target: str | None) -> None:
@@ -662,7 +682,7 @@ class RolloutCore:
         req.num_migrations += 1
         req.moved_at = self.clock.monotonic()
         self.counters["migrations"] += 1
-        if target is None:
+        if target is None or self.pausing.holds:
             self.requeue(req)
         else:
             self._start(req, self.engines[target])
@@ -776,6 +796,13 @@ class RolloutCore:
 
     def running_ids(self) -> set[str]:
         return set(self.running)
+
+    # PauseOps, for FleetPause:
+    def open_groups(self) -> list[Group]:
+        return list(self.groups.values())
+
+    def running_count(self) -> int:
+        return len(self.requests)
 
     def requeue_front(self, reqs: list[Request]) -> None:
         """Queue carried requests ahead of new work, keeping their order (a

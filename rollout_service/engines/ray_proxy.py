@@ -230,8 +230,9 @@ class RayEngine:
     def describe(self) -> EngineDescription:
         """The template's description, with the KV capacity the actor's
         engine reports once started."""
-        return dataclasses.replace(self.template.describe(), placement="ray",
-                                   kv_capacity_tokens=self._load.kv_capacity_tokens)
+        described = self.template.describe()
+        return dataclasses.replace(described, placement="ray", kv_capacity_tokens=self._load.kv_capacity_tokens,
+                                   workers=self._ranks or described.workers)
 
     # -- lifecycle ------------------------------------------------------------------
 

@@ -160,7 +160,8 @@ class EngineDescription:
     max_seqs: int
     max_model_len: int
     kv_capacity_tokens: int
-    dtype: str = ""
+    dtype: str = ""  # the weights' dtype as served ("float32"); "" for a simulated engine
     logprobs_mode: str = "processed_logprobs"
+    workers: int = 1  # model worker processes (tensor x pipeline parallel ranks)
     speculation: str = "off"
     draft_model: str = ""

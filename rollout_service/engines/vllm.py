@@ -480,7 +480,7 @@ class VllmEngine:
         return EngineDescription(
             engine_id=self.engine_id, kind=self.kind, placement="local", model=self.model,
             model_name=Path(self.model).name, max_seqs=self.max_seqs, max_model_len=self.max_model_len,
-            kv_capacity_tokens=self._kv_capacity, dtype=str(self.vllm_args.get("dtype", self._dtype)),
+            kv_capacity_tokens=self._kv_capacity, dtype=self._served_dtype(), workers=max(1, self.transfer_ranks()),
             logprobs_mode=str(self.vllm_args.get("logprobs_mode", "processed_logprobs")),
             speculation=self.spec.method,
             draft_model=self.spec.draft_model_path() if self.spec.has_model else "")
@@ -537,6 +537,12 @@ class VllmEngine:
                 f"; it waited {waited:.1f} s for a core, the disk or memory" if slow else "")
 
     # -- collective weight transfer (vLLM's weight-transfer API) -----------------
+
+    def _served_dtype(self) -> str:
+        """The dtype vLLM resolved ("auto": the checkpoint's), once started."""
+        resolved = self._llm.vllm_config.model_config.dtype if self._llm is not None else None
+        return str(resolved).removeprefix("torch.") if resolved is not None else str(
+            self.vllm_args.get("dtype", self._dtype))
 
     def transfer_ranks(self) -> int:
         cfg = self._llm.vllm_config.parallel_config if self._llm is not None else None

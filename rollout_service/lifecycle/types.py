@@ -23,6 +23,12 @@ from rollout_service.engines.types import (
 )
 
 
+# GroupSpec.metadata key of a request's own prefix-cache salt (vLLM's
+# `cache_salt`): its KV is shared only with requests of the same salt and
+# policy version.
+CACHE_SALT_KEY = "cache_salt"
+
+
 class CoreError(Exception):
     """A request the core refuses; `code` maps to a gRPC status in the api layer."""
 
@@ -210,7 +216,9 @@ class Request:
         if sampling.seed is not None:
             # One seed per sample: a group's samples must differ. A resumed
             # request restarts its stream (same distribution, other draws).
-            sampling = dataclasses.replace(sampling, seed=sampling.seed + self.index + 1_000_003 * max(0, self.attempt - 1))
+            seed = (sampling.seed + self.index + 1_000_003 * max(0, self.attempt - 1)) % 2**63  # vLLM's int64
+            sampling = dataclasses.replace(sampling, seed=seed)
+        salt = self.group.spec.metadata.get(CACHE_SALT_KEY)
         return EngineRequest(
             request_id=self.request_id,
             prompt_token_ids=self.group.spec.prompt_token_ids,
@@ -218,7 +226,7 @@ class Request:
             sampling=sampling,
             max_new_tokens=self.remaining_tokens,
             hints=self.hints,
-            cache_salt=f"v{self.salt_version}",
+            cache_salt=f"v{self.salt_version}/{salt}" if salt else f"v{self.salt_version}",
         )
 
     def append(self, token_ids: list[int], logprobs: list[float], versions: list[int]) -> None:
