@@ -141,9 +141,12 @@ def _device_list(cfg: EngineConfig, platform: Platform) -> list[str]:
 
 
 def cpu_binds(n: int) -> list[str]:
-    """On a CPU platform, each engine's own cores (OpenMP binding)."""
+    """On a CPU platform, each engine's own cores (OpenMP binding). Where
+    there are more cores than engines, at least one is left to this process
+    and the engines' schedulers, as vLLM's own binding leaves one: OpenMP
+    threads spinning on every core stall whenever one is descheduled."""
     cores = sorted(os.sched_getaffinity(0))
-    per = max(1, len(cores) // n)
+    per = max(1, (len(cores) - (len(cores) > n)) // n)
     return [",".join(map(str, cores[(i * per) % len(cores):][:per] or cores[:per])) for i in range(n)]
 
 

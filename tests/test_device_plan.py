@@ -141,6 +141,19 @@ def test_the_cpu_platform_keeps_its_defaults_and_refuses_tensor_parallelism():
         plan_fleet(EngineConfig(tensor_parallel_size=2), Platform.mocked("cpu"), info.path, info.max_model_len)
 
 
+@pytest.mark.parametrize("cores, engines, binds", [
+    (2, 1, ["0"]), (2, 2, ["0", "1"]), (16, 1, [",".join(map(str, range(15)))]),
+    (16, 3, ["0,1,2,3,4", "5,6,7,8,9", "10,11,12,13,14"])])
+def test_cpu_engines_leave_a_core_to_the_server_when_there_are_more_cores_than_engines(
+        capsys, monkeypatch, cores, engines, binds):
+    # OpenMP threads spinning on every core stall whenever the server or an
+    # engine's scheduler takes one: a lone engine on 2 cores decoded at half speed.
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(cores)))
+    rc, out, _ = _cli(capsys, "--platform", "cpu", "--json", "--set", f"engine.num_engines={engines}")
+    assert rc == 0
+    assert [e["env"]["VLLM_CPU_OMP_THREADS_BIND"] for e in json.loads(out)["engines"]] == binds
+
+
 def test_an_engine_built_from_the_plan_passes_vllm_exactly_the_planned_arguments():
     cfg = EngineConfig(num_engines=2, tensor_parallel_size=2, spec=SpecConfig(method="ngram"))
     info = model_info(cfg)

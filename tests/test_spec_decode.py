@@ -43,6 +43,17 @@ async def sclient(spec_service):
         yield c
 
 
+async def test_a_lone_engine_leaves_a_core_to_the_server(spec_engine):
+    # Its OpenMP threads on every core stalled whenever the server took one (half the tokens/s).
+    cores = len(os.sched_getaffinity(0))
+    if cores < 2:
+        pytest.skip("one core: nothing to leave")
+    [(worker_pid, _, _)] = await spec_engine._llm.collective_rpc("rollout_spec_sampler_patched")
+    with open(f"/proc/{worker_pid}/environ", "rb") as f:
+        env = dict(kv.split("=", 1) for kv in f.read().decode(errors="replace").split("\0") if "=" in kv)
+    assert 1 <= int(env["OMP_NUM_THREADS"]) < cores, env.get("OMP_PLACES")
+
+
 async def test_plugin_runs_in_the_engine_core_and_the_worker(spec_engine):
     info = await spec_engine.speculation.engine_info()
     assert info["sampler_patched"] and info["num_spec_tokens"] == K
