@@ -370,7 +370,8 @@ async def test_a_journal_that_cannot_be_written_fails_submit_and_the_stream_nami
     """The kernel refuses the journal's writes past 64 KiB (RLIMIT_FSIZE,
     as a full disk would): the stream sends what was recorded, then ends
     with FAILED_PRECONDITION naming state_dir; Submit and Ack fail the same
-    way; GetStatus and /readyz say so; a restart without the limit gives
+    way, and so do a weight push and a trajectory's Continue (neither
+    could be recorded); GetStatus and /readyz say so; a restart without the limit gives
     back every sample streamed before, under its cursor."""
     import aiohttp
     import grpc
@@ -392,19 +393,24 @@ async def test_a_journal_that_cannot_be_written_fails_submit_and_the_stream_nami
                         got.append((s.cursor, s.sample_id))
             with pytest.raises(grpc.aio.AioRpcError) as ack_error:
                 await client.ack(got[-1][0])
+            with pytest.raises(grpc.aio.AioRpcError) as push_error:  # it would go live unrecorded
+                await client.push_weights(WEIGHTS, version=1)
+            with pytest.raises(grpc.aio.AioRpcError) as continue_error:
+                await client.continue_trajectory("f0-0", 0, [1, 2])
             status = await client.status()
             async with aiohttp.ClientSession() as http:
                 async with http.get(f"http://127.0.0.1:{server.http_port}/readyz") as r:
                     ready, ready_body = r.status, await r.text()
     finally:
         err = server.stop()
-    for exc in (stream_error.value, submit_error.value, ack_error.value):
+    for exc in (stream_error.value, submit_error.value, ack_error.value, push_error.value, continue_error.value):
         details = exc.details()
         assert exc.code() == grpc.StatusCode.FAILED_PRECONDITION, (exc.code(), details)
         assert f"state_dir {str(tmp_path)!r}: the journal cannot be written (File too large)" in details
         assert "/" not in details.replace(str(tmp_path), ""), "no path but state_dir's"
     assert len(got) >= 10, "what was recorded streamed"
     assert status.journal_error == submit_error.value.details()
+    assert status.policy_version == 0, "the refused push is not serving"
     assert ready == 503 and '"journal_failed": true' in ready_body and "File too large" not in ready_body
     assert "Traceback" not in err
     # Without the limit: every sample streamed before the failure was on disk, under its cursor.

@@ -642,7 +642,9 @@ class RolloutCore:
         observation and queue its next turn, or end it (`done`). False for a
         repeat of an answer already applied; CoreError naming what is wrong
         otherwise (unknown or finished trajectory, not waiting for that turn,
-        an observation that does not fit)."""
+        an observation that does not fit, state_dir that cannot be written)."""
+        if self.durable is not None and self.durable.failure:
+            raise CoreError("failed_precondition", self.durable.failure)
         return self.trajectories.answer(sample_id, turn, observation_token_ids, done)
 
     # -- abort and migration -----------------------------------------------------

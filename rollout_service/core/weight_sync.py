@@ -38,6 +38,8 @@ class WorkOps(Protocol):
 class WeightStore(Protocol):
     """Where live versions' weights are kept across restarts (core/durable.py)."""
 
+    failure: str  # why the store cannot be written ("" while it can)
+
     def write_weights(self, version: int, weights: StagedWeights | None) -> str | None: ...
     async def record_weights(self, version: int, file: str | None, restart: list[tuple[str, int]] = ()) -> None: ...
 
@@ -89,7 +91,11 @@ class WeightSync:
 
     def check_weights(self, version: int, manifest: Mapping[str, tuple[str, tuple[int, ...]]]) -> None:
         """CoreError unless `version` is newer; each engine raises if the
-        manifest (name -> (dtype, shape)) does not fit its model."""
+        manifest (name -> (dtype, shape)) does not fit its model; CoreError
+        naming state_dir once the store cannot be written (a version that
+        went live unrecorded would be lost by a restart)."""
+        if self.store is not None and self.store.failure:
+            raise CoreError("failed_precondition", self.store.failure)
         self.check_version(version)
         for engine in self.fleet.engines.values():
             engine.check_weights(manifest)
