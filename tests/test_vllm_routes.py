@@ -306,8 +306,10 @@ class HttpWeightSync:
         self._post("finish_weight_update", {"weight_version": weight_version} if weight_version else None)
 
 
-async def _push_over_routes(port: int, state_dict: dict) -> int:
-    """One push by the gloo trainer engine over the routes; the bytes it sent."""
+async def _push_over_routes(port: int, state_dict: dict, client: type = HttpWeightSync, group_timeout_s: float = 30,
+                            timeout_s: float = 120) -> int:
+    """One push by the gloo trainer engine over the routes (through
+    `client`, an HttpWeightSync); the bytes it sent."""
     from rollout_proto.gloo_trainer import GlooTrainerInitInfo, GlooTrainerWeightTransferEngine
     from trainer_client.collective import StateDictSource, free_port
 
@@ -316,8 +318,8 @@ async def _push_over_routes(port: int, state_dict: dict) -> int:
     source.state_dict = state_dict
 
     def push():
-        info = GlooTrainerInitInfo("127.0.0.1", free_port(), world["world_size"] + 1, timeout_s=30)
-        engine = GlooTrainerWeightTransferEngine.trainer_init(info, client=HttpWeightSync(f"http://127.0.0.1:{port}"),
+        info = GlooTrainerInitInfo("127.0.0.1", free_port(), world["world_size"] + 1, timeout_s=group_timeout_s)
+        engine = GlooTrainerWeightTransferEngine.trainer_init(info, client=client(f"http://127.0.0.1:{port}"),
                                                               source=source)
         try:
             engine.send_weights()
@@ -325,7 +327,7 @@ async def _push_over_routes(port: int, state_dict: dict) -> int:
         finally:
             engine.shutdown()
 
-    return await asyncio.wait_for(asyncio.to_thread(push), 120)
+    return await asyncio.wait_for(asyncio.to_thread(push), timeout_s)
 
 
 async def test_the_trainer_sends_the_same_bytes_to_one_engine_as_to_two(fleet):
@@ -364,25 +366,10 @@ class NeverFinishes(HttpWeightSync):
 
 async def test_a_push_never_finished_is_abandoned_and_the_previous_version_serves(fleet):
     torch = pytest.importorskip("torch")
-    from rollout_proto.gloo_trainer import GlooTrainerInitInfo, GlooTrainerWeightTransferEngine
-    from trainer_client.collective import StateDictSource, free_port
 
     port, before = fleet.http_port, fleet.core.policy_version
     _, label = await _call(port, "GET", "/weight_info")
-    _, world = await _call(port, "GET", "/get_world_size")
-    source = StateDictSource()
-    source.state_dict = {"w": torch.ones(64)}
-
-    def push():
-        info = GlooTrainerInitInfo("127.0.0.1", free_port(), world["world_size"] + 1, timeout_s=2)
-        engine = GlooTrainerWeightTransferEngine.trainer_init(info, client=NeverFinishes(f"http://127.0.0.1:{port}"),
-                                                              source=source)
-        try:
-            engine.send_weights()
-        finally:
-            engine.shutdown()
-
-    await asyncio.wait_for(asyncio.to_thread(push), 60)
+    await _push_over_routes(port, {"w": torch.ones(64)}, client=NeverFinishes, group_timeout_s=2, timeout_s=60)
     await wait_until(lambda: fleet.core.collective.plan_in_force is None, 10, "the push to be abandoned")
     assert fleet.core.policy_version == before
     assert await _call(port, "GET", "/weight_info") == (200, label)
