@@ -134,6 +134,28 @@ async def test_sigkill_with_state_dir_delivers_every_sample_once_under_its_curso
     assert sorted(s.group_id for s in got if s.group_complete) == sorted(g.group_id for g in groups)
 
 
+async def test_a_consumer_that_never_acknowledged_keeps_its_samples_across_a_sigkill(tmp_path):
+    """Another consumer acknowledging everything does not take, across a
+    restart, the samples of one that is connected and never acknowledged."""
+    server = Server(tmp_path, 0.002).start()
+    got, again = [], []
+    try:
+        async with RolloutClient(server.address, consumer_id="trainer", reconnect_timeout_s=60) as client:
+            await client.wait_ready(60)
+            await client.submit(_groups("q", 3, length=5, spread=0))
+            async with RolloutClient(server.address, consumer_id="watcher") as watcher:
+                await asyncio.wait_for(_consume(watcher, [], 1, ack_every=None), 30)
+            await asyncio.wait_for(_consume(client, got, 12), 30)  # and acknowledges all 12
+            server.kill()
+            server.start()
+            async with RolloutClient(server.address, consumer_id="watcher", reconnect_timeout_s=60) as watcher:
+                await watcher.wait_ready(60)
+                await asyncio.wait_for(_consume(watcher, again, 12, ack_every=None), 30)
+    finally:
+        print(server.stop())
+    assert sorted(s.sample_id for s in again) == sorted(s.sample_id for s in got)
+
+
 async def test_a_restart_without_state_dir_raises_service_restarted_naming_the_groups():
     server = Server(None, 0.01).start()
     try:

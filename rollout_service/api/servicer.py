@@ -86,6 +86,10 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         # this is the service its cursors belong to.
         await context.send_initial_metadata(((INCARNATION_KEY, incarnation),))
         try:
+            # A consumer seen for the first time is durable before it gets a
+            # sample: a restart keeps what it has not acknowledged.
+            self.core.delivery.consumer(consumer)
+            await self.core.commit()
             async for entry in self.core.delivery.stream(consumer, request.from_cursor):
                 yield pb.SampleEvent(
                     cursor=entry.cursor,

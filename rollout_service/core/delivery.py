@@ -66,7 +66,8 @@ class DeliveryLog:
         self._consumers: dict[str, Consumer] = {}
         self._changed = asyncio.Event()
         self._failure: CoreError | None = None  # raised by streams that have sent every visible sample
-        # Called with (consumer id, acked cursor) when an ack moves a cursor (the journal).
+        # Called with (consumer id, acked cursor) when a consumer is first seen and when an
+        # ack moves its cursor (the journal).
         self.on_ack: Callable[[str, int], object] | None = None
 
     @property
@@ -133,6 +134,10 @@ class DeliveryLog:
             # (those entries are gone) so it sees every retained sample.
             gone = self._entries[self._head].cursor - 1 if self.retained else self._last
             c = self._consumers[consumer_id] = Consumer(consumer_id, acked=gone)
+            if self.on_ack is not None:
+                # Journaled too, so that after a restart it still pins what it
+                # has not acknowledged, even if it never acknowledged anything.
+                self.on_ack(consumer_id, gone)
         c.last_seen = self._now()
         return c
 
