@@ -15,6 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from rollout_proto import rollout_pb2
+from rollout_service.api import convert
 from rollout_service.api.auth import AuthInterceptor, TokenAuth, http_middleware
 from rollout_service.api.errors import ErrorInterceptor
 from rollout_service.api.http import make_app
@@ -103,7 +104,7 @@ class RolloutService:
             from rollout_service.engines.ray_fleet import bind_counters
 
             bind_counters(engines, self.core.counters)
-        if cfg.state_dir and self.core.open_state(cfg.state_dir, cfg.journal_commit_ms / 1000):
+        if cfg.state_dir and self.core.open_state(cfg.state_dir, cfg.journal_commit_ms / 1000, convert.WIRE_SAMPLES):
             log.info("resumed from the journal in %s: %d open groups, %d unacknowledged samples, version %d",
                      cfg.state_dir, len(self.core.groups), self.core.delivery.retained, self.core.policy_version)
         await self.core.start()

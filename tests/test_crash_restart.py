@@ -14,6 +14,7 @@ import time
 import numpy as np
 import pytest
 
+from rollout_service.api.convert import WIRE_SAMPLES
 from trainer_client import PromptGroup, RolloutClient, ServiceRestarted
 
 from helpers import free_port, wait_until
@@ -233,7 +234,7 @@ async def test_replay_and_compaction_give_back_each_sample_as_recorded(tmp_path)
     from rollout_service.core.snapshot import CoreSnapshot
     from rollout_service.engines.types import FinishReason, SamplingParams
     from rollout_service.lifecycle.types import Group, GroupSpec, MultiTurnSpec, Sample, Turn
-    from rollout_service.lifecycle.versions import VersionTags
+    from rollout_service.lifecycle.versions import NO_VERSION, VersionTags
 
     spec = GroupSpec("g", [1, 5, 6, 7], 3, SamplingParams(max_tokens=20, stop_token_ids=(3,), stop=("x",)),
                      metadata={"k": "v"}, batch_id="b", multi_turn=MultiTurnSpec(max_turns=2))
@@ -241,15 +242,17 @@ async def test_replay_and_compaction_give_back_each_sample_as_recorded(tmp_path)
     logprobs = array("f", [-0.25 * i for i in range(10)]).tolist()  # float32, as the wire carries them
     sample = Sample(sample_id="g/1", group_id="g", index=1, prompt_id="", prompt_token_ids=spec.prompt_token_ids,
                     response_token_ids=list(range(100, 110)), logprobs=logprobs,
-                    versions=VersionTags([[0, 0, 4], [1, 4, 6]]), finish_reason=FinishReason.STOP, engines=["sim-0"],
-                    num_migrations=1, queued_at=1.0, first_token_at=2.0, finished_at=3.0, metadata={"k": "v"},
-                    batch_id="b", turns=[Turn("generated", 0, 6, "sim-0", FinishReason.STOP, 1.0, 2.0),
-                                         Turn("observation", 6, 4)],
-                    loss_mask=[1] * 6 + [0] * 4)
-    # A single-turn sample (its record's JSON written directly), quoting and non-ASCII text included.
+                    versions=VersionTags([[0, 0, 4], [NO_VERSION, 4, 2], [1, 6, 4]]), finish_reason=FinishReason.STOP,
+                    engines=["sim-0"], num_migrations=1, queued_at=1.0, first_token_at=2.0, finished_at=3.0,
+                    metadata={"k": "v"}, batch_id="b",
+                    turns=[Turn("generated", 0, 4, "sim-0", FinishReason.STOP, 1.0, 2.0),
+                           Turn("observation", 4, 2, tool_s=0.5), Turn("generated", 6, 4, "sim-1", None, 2.5)],
+                    loss_mask=[1] * 4 + [0] * 2 + [1] * 4, awaiting_observation=True)
+    # A single-turn sample, quoting and non-ASCII text included.
     plain = dataclasses.replace(sample, sample_id="g/0", index=0, versions=VersionTags([[1, 0, 10]]), turns=[],
-                                loss_mask=[], engines=["sim-0", "sim-1"], response_text='é "q"\n', drop_reason="d")
-    state = DurableState(str(tmp_path), 0.002)
+                                loss_mask=[], engines=["sim-0", "sim-1"], response_text='é "q"\n', drop_reason="d",
+                                awaiting_observation=False)
+    state = DurableState(str(tmp_path), 0.002, WIRE_SAMPLES)
     assert state.open() is None
     state.rewrite_now(CoreSnapshot(policy_version=0))  # the header, as at a start
     state.journal.start()
@@ -258,16 +261,16 @@ async def test_replay_and_compaction_give_back_each_sample_as_recorded(tmp_path)
     state.record_sample(7, sample, False)
     await state.journal.commit()
     await state.journal.close()
-    snapshot = DurableState(str(tmp_path), 0.002).open()
+    snapshot = DurableState(str(tmp_path), 0.002, WIRE_SAMPLES).open()
     assert [g.spec for g in snapshot.groups] == [spec]
     assert [(e.cursor, dataclasses.asdict(e.sample)) for e in snapshot.entries] == [
         (6, dataclasses.asdict(plain)), (7, dataclasses.asdict(sample))]
     # Compacted once the group is done: its prompt comes with its retained sample.
     snapshot.groups, snapshot.done_group_ids = [], ["g"]
-    state = DurableState(str(tmp_path), 0.002)
+    state = DurableState(str(tmp_path), 0.002, WIRE_SAMPLES)
     state.open()
     state.rewrite_now(snapshot)
-    again = DurableState(str(tmp_path), 0.002).open()
+    again = DurableState(str(tmp_path), 0.002, WIRE_SAMPLES).open()
     assert not again.groups and again.done_group_ids == ["g"]
     assert [dataclasses.asdict(e.sample) for e in again.entries] == [dataclasses.asdict(plain), dataclasses.asdict(sample)]
 
@@ -280,7 +283,7 @@ async def test_a_compaction_while_the_writer_is_busy_keeps_what_came_after_it(tm
     from rollout_service.core.durable import DurableState
     from rollout_service.core.snapshot import CoreSnapshot
 
-    state = DurableState(str(tmp_path), 0.0)
+    state = DurableState(str(tmp_path), 0.0, WIRE_SAMPLES)
     assert state.open() is None
     state.rewrite_now(CoreSnapshot(policy_version=0))
     state.journal.start()
@@ -294,7 +297,7 @@ async def test_a_compaction_while_the_writer_is_busy_keeps_what_came_after_it(tm
     state.record_ack("a", 5000)
     await asyncio.wait_for(state.journal.commit(), 10)
     await state.journal.close()
-    again = DurableState(str(tmp_path), 0.0).open()
+    again = DurableState(str(tmp_path), 0.0, WIRE_SAMPLES).open()
     assert sorted((c.consumer_id, c.acked) for c in again.consumers) == [("a", 5000), ("b", 1949)]
 
 

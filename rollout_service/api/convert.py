@@ -5,37 +5,89 @@ from __future__ import annotations
 from rollout_proto import rollout_pb2 as pb
 from rollout_service.core.status import CoreStatus, EngineStatus
 from rollout_service.lifecycle.types import Sample, Turn
-from rollout_service.lifecycle.versions import NO_VERSION
+from rollout_service.lifecycle.versions import NO_VERSION, VersionTags
+from rollout_service.engines.types import FinishReason
 from rollout_service.engines.weights import TensorSpec
 from rollout_service.drafter.status import SpecStatus
 
 
 def sample_to_pb(s: Sample) -> pb.Sample:
-    return pb.Sample(
-        sample_id=s.sample_id,
-        group_id=s.group_id,
-        index=s.index,
-        prompt_id=s.prompt_id,
-        prompt_token_ids=s.prompt_token_ids,
-        response_token_ids=s.response_token_ids,
-        logprobs=s.logprobs,
-        # Observation tokens carry no policy version: their segments are left out.
-        versions=[pb.VersionSegment(version=v, start=a, length=n) for v, a, n in s.versions.segments
-                  if v != NO_VERSION],
-        min_version=s.versions.min_version,
-        max_version=s.versions.max_version,
-        finish_reason=int(s.finish_reason),
-        engines=s.engines,
-        num_migrations=s.num_migrations,
-        timing=pb.Timing(queued_at=s.queued_at, first_token_at=s.first_token_at, finished_at=s.finished_at),
-        spec=pb.SpecStats(draft_tokens=s.draft_tokens, accepted_tokens=s.accepted_tokens),
-        response_text=s.response_text,
-        metadata=s.metadata,
-        batch_id=s.batch_id,
-        drop_reason=s.drop_reason,
-        turns=[turn_to_pb(t) for t in s.turns],
-        loss_mask=s.loss_mask,
-    )
+    return WIRE_SAMPLES.complete(WIRE_SAMPLES.body(s), s)
+
+
+class WireSamples:
+    """A sample's rollout.v1 form, which is also its journal record (core's
+    `SampleCodec`): the journal writes the body's bytes, and a stream sends
+    the same message once the fields the sample shares with its group are
+    added (so a journaled sample is converted once)."""
+
+    @staticmethod
+    def body(s: Sample) -> pb.Sample:
+        """The message without sample_id, prompt_id, prompt_token_ids, metadata and batch_id."""
+        return pb.Sample(
+            group_id=s.group_id,
+            index=s.index,
+            response_token_ids=s.response_token_ids,
+            logprobs=s.logprobs,
+            # Observation tokens carry no policy version: their segments are left out.
+            versions=[pb.VersionSegment(version=v, start=a, length=n) for v, a, n in s.versions.segments
+                      if v != NO_VERSION],
+            min_version=s.versions.min_version,
+            max_version=s.versions.max_version,
+            finish_reason=int(s.finish_reason),
+            engines=s.engines,
+            num_migrations=s.num_migrations,
+            timing=pb.Timing(queued_at=s.queued_at, first_token_at=s.first_token_at, finished_at=s.finished_at),
+            spec=pb.SpecStats(draft_tokens=s.draft_tokens, accepted_tokens=s.accepted_tokens),
+            response_text=s.response_text,
+            drop_reason=s.drop_reason,
+            turns=[turn_to_pb(t) for t in s.turns],
+            loss_mask=s.loss_mask,
+        )
+
+    @staticmethod
+    def complete(m: pb.Sample, s: Sample) -> pb.Sample:
+        """`m` (a body) with the group's fields added, in place."""
+        m.sample_id, m.prompt_id, m.batch_id = s.sample_id, s.prompt_id, s.batch_id
+        m.prompt_token_ids.extend(s.prompt_token_ids)
+        m.metadata.update(s.metadata)
+        return m
+
+    @staticmethod
+    def serialize(m: pb.Sample) -> bytes:
+        return m.SerializeToString()
+
+    @staticmethod
+    def decode(data: bytes, prompt_token_ids: list[int], prompt_id: str, metadata: dict[str, str], batch_id: str,
+               awaiting_observation: bool) -> Sample:
+        """The sample of a body's bytes, with its group's fields."""
+        m = pb.Sample.FromString(data)
+        response = list(m.response_token_ids)
+        return Sample(
+            sample_id=f"{m.group_id}/{m.index}", group_id=m.group_id, index=m.index, prompt_id=prompt_id,
+            prompt_token_ids=prompt_token_ids, response_token_ids=response, logprobs=list(m.logprobs),
+            versions=_versions_from(m.versions, len(response)), finish_reason=FinishReason(m.finish_reason),
+            engines=list(m.engines), num_migrations=m.num_migrations, queued_at=m.timing.queued_at,
+            first_token_at=m.timing.first_token_at, finished_at=m.timing.finished_at,
+            draft_tokens=m.spec.draft_tokens, accepted_tokens=m.spec.accepted_tokens, metadata=dict(metadata),
+            batch_id=batch_id, response_text=m.response_text, drop_reason=m.drop_reason,
+            turns=[turn_from_pb(t) for t in m.turns], loss_mask=list(m.loss_mask),
+            awaiting_observation=awaiting_observation,
+        )
+
+
+WIRE_SAMPLES = WireSamples()
+
+
+def _versions_from(segments, n: int) -> VersionTags:
+    """Version tags from the wire's segments, the gaps (observation tokens) and
+    what follows the last segment up to `n` tokens filled with NO_VERSION."""
+    tags = VersionTags()
+    for seg in segments:
+        tags.append(NO_VERSION, seg.start - len(tags))
+        tags.append(seg.version, seg.length)
+    tags.append(NO_VERSION, n - len(tags))
+    return tags
 
 
 _TURN_KINDS = {"generated": pb.Turn.KIND_GENERATED, "observation": pb.Turn.KIND_OBSERVATION}
@@ -47,6 +99,15 @@ def turn_to_pb(t: Turn) -> pb.Turn:
         finish_reason=int(t.finish_reason) if t.finish_reason is not None else 0,
         started_at=t.started_at, finished_at=t.finished_at, tool_seconds=t.tool_s,
     )
+
+
+_TURN_KINDS_BACK = {v: k for k, v in _TURN_KINDS.items()}
+
+
+def turn_from_pb(t: pb.Turn) -> Turn:
+    return Turn(kind=_TURN_KINDS_BACK[t.kind], start=t.start, length=t.length, engine_id=t.engine_id,
+                finish_reason=FinishReason(t.finish_reason) if t.finish_reason else None, started_at=t.started_at,
+                finished_at=t.finished_at, tool_s=t.tool_seconds)
 
 
 def tensor_specs(header: pb.WeightsHeader) -> list[TensorSpec]:

@@ -89,11 +89,14 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             # A consumer seen for the first time is durable before it gets a
             # sample: a restart keeps what it has not acknowledged.
             self.core.delivery.consumer(consumer)
-            await self.core.commit()
+            try:
+                await self.core.commit()
+            except CoreError:
+                pass  # the journal stopped: the stream sends what was recorded, then ends saying why
             async for entry in self.core.delivery.stream(consumer, request.from_cursor):
                 yield pb.SampleEvent(
                     cursor=entry.cursor,
-                    sample=convert.sample_to_pb(entry.sample),
+                    sample=entry.wire if entry.wire is not None else convert.sample_to_pb(entry.sample),
                     group_complete=entry.group_complete,
                     awaiting_observation=entry.sample.awaiting_observation,
                     incarnation=incarnation,

@@ -38,6 +38,7 @@ class Entry:
     cursor: int
     sample: Sample
     group_complete: bool
+    wire: object = None  # the sample's wire message, when made already (by the journal)
 
 
 @dataclass(slots=True)
@@ -85,12 +86,17 @@ class DeliveryLog:
     def append(self, sample: Sample, group_complete: bool, publish: bool = True) -> int:
         """Log a sample under the next cursor; visible to streams now, or
         (publish=False) once `publish` reaches its cursor."""
+        return self.append_entry(sample, group_complete, publish).cursor
+
+    def append_entry(self, sample: Sample, group_complete: bool, publish: bool = True) -> Entry:
+        """`append`, returning the entry."""
         self._last += 1
-        self._entries.append(Entry(self._last, sample, group_complete))
+        entry = Entry(self._last, sample, group_complete)
+        self._entries.append(entry)
         if publish:
             self.publish(self._last)
         self.maybe_prune()
-        return self._last
+        return entry
 
     def publish(self, cursor: int) -> None:
         """Make the entries up to `cursor` visible to streams."""

@@ -6,9 +6,9 @@ Records, each written before what it records is visible:
     submit   a group as submitted (before Submit replies); its prompt's
              token ids packed after the JSON
     sample   a completed sample (or a trajectory's turn event) with its
-             cursor (before any stream can see it); its token ids, logprobs
-             and loss mask packed after the JSON, its prompt's token ids
-             left to its group's submit (or prompt) record
+             cursor (before any stream can see it); its wire form (rollout.v1
+             Sample, see `SampleCodec`) after the JSON, what it shares with
+             its group left to the group's submit (or prompt) record
     prompt   a compaction's: the prompt of a finished group whose samples
              are retained
     ack      a consumer's acknowledged cursor (before Ack replies)
@@ -30,14 +30,13 @@ import base64
 import dataclasses
 import functools
 import logging
-import math
 import os
 import struct
-import sys
 import uuid
 from array import array
 from json.encoder import encode_basestring_ascii as _json_str  # a str as json.dumps writes it
 from pathlib import Path
+from typing import Any, Protocol
 
 from rollout_service.core.delivery import Consumer, Entry
 from rollout_service.core.journal import (
@@ -118,21 +117,8 @@ def _pack_ints(values: list[int]) -> bytes:
     return struct.pack(f"<{len(values)}i", *values)
 
 
-def _pack_floats(values: list[float]) -> bytes:
-    """float32, little endian."""
-    try:
-        return struct.pack(f"<{len(values)}f", *values)
-    except (OverflowError, struct.error):  # past float32's range: as the wire carries it, infinite
-        return array("f", values).tobytes() if sys.byteorder == "little" else _swapped(array("f", values))
-
-
-def _swapped(values: array) -> bytes:
-    values.byteswap()
-    return values.tobytes()
-
-
 def _unpack(typecode: str, data: bytes | memoryview) -> list:
-    """What `_pack_ints` ("i") or `_pack_floats` ("f") packed."""
+    """What `_pack_ints` ("i") packed."""
     return list(struct.unpack(f"<{len(data) // 4}{typecode}", data))
 
 
@@ -144,16 +130,25 @@ def _floats_from(text: str) -> list[float]:
     return array("f", base64.b64decode(text)).tolist()
 
 
-# A sample record's fields, in this order, as a JSON list. What every sample
-# of a group shares with it (prompt, prompt id, metadata, batch id; the
-# sample id is "<group id>/<index>") is left to the group's submit (or
-# prompt) record; token ids, logprobs and loss mask are packed after the JSON.
-_SAMPLE_FIELDS = ("group_id", "index", "versions", "finish_reason", "engines", "num_migrations", "queued_at",
-                  "first_token_at", "finished_at", "draft_tokens", "accepted_tokens", "response_text", "drop_reason",
-                  "turns", "awaiting_observation")
-_FROM_GROUP = {"sample_id", "prompt_id", "prompt_token_ids", "metadata", "batch_id", "response_token_ids", "logprobs",
-               "loss_mask"}
-assert set(_SAMPLE_FIELDS) | _FROM_GROUP == {f.name for f in dataclasses.fields(Sample)}
+class SampleCodec(Protocol):
+    """A sample record's body: the sample's wire form (the API layer's),
+    so that a journaled sample is converted once, for its record and its
+    streams. What every sample of a group shares with it (sample id, prompt
+    id, prompt, metadata, batch id) is left to the group's submit (or
+    prompt) record."""
+
+    def body(self, sample: Sample) -> Any:
+        """The message without what the sample shares with its group."""
+
+    def serialize(self, message: Any) -> bytes:
+        """A body's bytes."""
+
+    def complete(self, message: Any, sample: Sample) -> Any:
+        """The body with the group's fields added (in place): what streams send."""
+
+    def decode(self, data: bytes, prompt_token_ids: list[int], prompt_id: str, metadata: dict[str, str],
+               batch_id: str, awaiting_observation: bool) -> Sample:
+        """The sample of a body's bytes."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -164,54 +159,6 @@ class _GroupInfo:
     prompt_id: str
     metadata: dict[str, str]
     batch_id: str
-
-
-def _sample_frame(cursor: int, s: Sample, group_complete: bool) -> bytes:
-    """A sample record, framed: its own fields as a JSON list; response
-    token ids (int32), logprobs (float32) and loss mask (a byte each)
-    packed after it."""
-    blob = b"".join((_pack_ints(s.response_token_ids), _pack_floats(s.logprobs), bytes(s.loss_mask)))
-    payload = _sample_json(cursor, s, group_complete)
-    if payload is None:
-        values = [s.group_id, s.index, s.versions.segments, int(s.finish_reason), s.engines, s.num_migrations,
-                  s.queued_at, s.first_token_at, s.finished_at, s.draft_tokens, s.accepted_tokens, s.response_text,
-                  s.drop_reason, [_turn_dict(t) for t in s.turns] if s.turns else [], s.awaiting_observation]
-        return frame({"t": "sample", "c": cursor, "gc": group_complete, "s": values,
-                      "n": (len(s.response_token_ids), len(s.logprobs))}, blob)
-    return frame_payload(payload, blob)
-
-
-def _sample_json(cursor: int, s: Sample, group_complete: bool) -> bytes | None:
-    """The JSON `frame` writes for a single-turn sample record (times as
-    floats), written directly: every sample takes this path before it is
-    streamed, and the generic encoder takes twice as long. None for what
-    it does not cover (turns, times that are not finite)."""
-    times = [float(s.queued_at), float(s.first_token_at), float(s.finished_at)]
-    if s.turns or not all(map(math.isfinite, times)):
-        return None
-    segments = ",".join([f"[{v:d},{a:d},{n:d}]" for v, a, n in s.versions.segments])
-    engines = ",".join(map(_json_str, s.engines))
-    return (f'{{"t":"sample","c":{cursor:d},"gc":{"true" if group_complete else "false"},"s":['
-            f'{_json_str(s.group_id)},{s.index:d},[{segments}],{int(s.finish_reason):d},[{engines}],'
-            f'{s.num_migrations:d},{times[0]!r},{times[1]!r},{times[2]!r},{s.draft_tokens:d},{s.accepted_tokens:d},'
-            f'{_json_str(s.response_text)},{_json_str(s.drop_reason)},[],'
-            f'{"true" if s.awaiting_observation else "false"}],'
-            f'"n":[{len(s.response_token_ids):d},{len(s.logprobs):d}]}}').encode()
-
-
-def _sample_from(rec: dict, group: _GroupInfo) -> Sample:
-    d = dict(zip(_SAMPLE_FIELDS, rec["s"]))
-    (n, nl), blob = rec["n"], rec["_blob"]
-    d["sample_id"] = f"{d['group_id']}/{d['index']}"
-    d["prompt_token_ids"], d["prompt_id"] = group.prompt_token_ids, group.prompt_id
-    d["metadata"], d["batch_id"] = dict(group.metadata), group.batch_id
-    d["response_token_ids"] = _unpack("i", blob[:4 * n])
-    d["logprobs"] = _unpack("f", blob[4 * n:4 * (n + nl)])
-    d["loss_mask"] = list(blob[4 * (n + nl):])
-    d["versions"] = VersionTags([list(x) for x in d["versions"]])
-    d["finish_reason"] = FinishReason(d["finish_reason"])
-    d["turns"] = [_turn_from(t) for t in d["turns"]]
-    return Sample(**d)
 
 
 def _submit_frame(group: Group, finished: list[int] | None = None) -> bytes:
@@ -265,9 +212,10 @@ class DurableState:
     torn tail and refuses another format version; the `record_*` methods
     append; `compact(snapshot)` rewrites the journal as a snapshot."""
 
-    def __init__(self, state_dir: str, commit_interval_s: float) -> None:
+    def __init__(self, state_dir: str, commit_interval_s: float, codec: SampleCodec) -> None:
         self.dir = Path(state_dir)
         self.commit_interval_s = commit_interval_s
+        self.codec = codec
         self.incarnation = ""
         self.journal: Journal | None = None
         self.weights_file: str | None = None  # of the version last recorded live
@@ -319,11 +267,12 @@ class DurableState:
                         group.requests[i].finish_reason = FinishReason.STOP
                         group.finished += 1
             elif kind == "sample":
-                info = shared.get(rec["s"][0])
+                info = shared.get(rec["g"])
                 if info is None:
-                    raise JournalError(f"{self.dir / JOURNAL_FILE}: a sample of group {rec['s'][0]!r} comes "
+                    raise JournalError(f"{self.dir / JOURNAL_FILE}: a sample of group {rec['g']!r} comes "
                                        f"before its group's submit record; the journal is damaged")
-                sample = _sample_from(rec, info)
+                sample = self.codec.decode(rec["_blob"], info.prompt_token_ids, info.prompt_id, info.metadata,
+                                           info.batch_id, rec["aw"])
                 entries.append(Entry(rec["c"], sample, rec["gc"]))
                 last_cursor = max(last_cursor, rec["c"])
                 group = groups.get(sample.group_id)
@@ -437,8 +386,22 @@ class DurableState:
     def record_submit(self, group: Group) -> int:
         return self.journal.append(functools.partial(_submit_frame, group))
 
-    def record_sample(self, cursor: int, sample: Sample, group_complete: bool) -> int:
-        return self.journal.append(_sample_frame(cursor, sample, group_complete))
+    def record_sample(self, cursor: int, sample: Sample, group_complete: bool) -> tuple[int, Any]:
+        """Append a sample's record; returns its sequence number and the
+        sample's wire message (what its streams send)."""
+        body = self.codec.body(sample)
+        seq = self.journal.append(self._sample_frame(cursor, sample, group_complete, body))
+        return seq, self.codec.complete(body, sample)
+
+    def _sample_frame(self, cursor: int, sample: Sample, group_complete: bool, body: Any = None) -> bytes:
+        """A sample record, framed: cursor, group and flags as JSON, the
+        body's bytes after it."""
+        if body is None:
+            body = self.codec.body(sample)
+        head = (f'{{"t":"sample","c":{cursor:d},"g":{_json_str(sample.group_id)},'
+                f'"gc":{"true" if group_complete else "false"},'
+                f'"aw":{"true" if sample.awaiting_observation else "false"}}}')
+        return frame_payload(head.encode(), self.codec.serialize(body))
 
     def record_ack(self, consumer_id: str, cursor: int) -> int:
         return self.journal.append({"t": "ack", "consumer": consumer_id, "c": cursor})
@@ -518,7 +481,7 @@ class DurableState:
             if gid not in open_ids:
                 open_ids.add(gid)
                 out.append(_prompt_frame(e.sample))
-            out.append(_sample_frame(e.cursor, e.sample, e.group_complete))
+            out.append(self._sample_frame(e.cursor, e.sample, e.group_complete))
         return out
 
     def rewrite_now(self, snapshot: CoreSnapshot) -> None:

@@ -31,7 +31,7 @@ from typing import Callable, Iterator
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 JOURNAL_FILE = "journal.log"
 _FRAME = struct.Struct("<II")
 _encode = json.JSONEncoder(separators=(",", ":"), check_circular=False).encode

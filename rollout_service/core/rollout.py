@@ -62,7 +62,7 @@ from rollout_service.scheduling.placement import LoadView, Placement
 from rollout_service.scheduling.rebalancer import Move, RebalanceConfig
 
 if TYPE_CHECKING:
-    from rollout_service.core.durable import DurableState
+    from rollout_service.core.durable import DurableState, SampleCodec
 
 log = logging.getLogger(__name__)
 
@@ -252,14 +252,14 @@ class RolloutCore:
         log.info("saved %d open groups and %d unacknowledged samples to %s",
                  len(snapshot.groups), len(snapshot.entries), self.durable.dir)
 
-    def open_state(self, state_dir: str, commit_interval_s: float) -> bool:
+    def open_state(self, state_dir: str, commit_interval_s: float, codec: "SampleCodec") -> bool:
         """Before start(): open the journal in `state_dir` and restore what
         it holds (JournalError for one this release cannot read); returns
         whether it held state. The journal is rewritten as the restored
         state, the incarnation kept."""
         from rollout_service.core.durable import DurableState
 
-        durable = DurableState(state_dir, commit_interval_s)
+        durable = DurableState(state_dir, commit_interval_s, codec)
         snapshot = durable.open()
         if snapshot is not None:
             self.restore_snapshot(snapshot)
@@ -623,8 +623,9 @@ class RolloutCore:
             self.delivery.append(sample, group.finished == group.spec.num_samples)
         else:  # streamed once durable (`_durable_upto`)
             complete = group.finished == group.spec.num_samples
-            cursor = self.delivery.append(sample, complete, publish=False)
-            self._unpublished.append((self.durable.record_sample(cursor, sample, complete), cursor))
+            entry = self.delivery.append_entry(sample, complete, publish=False)
+            seq, entry.wire = self.durable.record_sample(entry.cursor, sample, complete)
+            self._unpublished.append((seq, entry.cursor))
 
     def _forget(self, group: Group) -> None:
         self.groups.pop(group.group_id, None)
