@@ -112,7 +112,7 @@ asyncio.run(main(sys.argv[1], sys.argv[2]))
 
 
 def test_1000_consumers_that_vanish_mid_stream_stop_pinning_samples_and_memory_stays_flat():
-    server, port = _serve("keepalive_s=0.5", "keepalive_timeout_s=1.0", "consumer_ttl_s=4.0")
+    server, port = _serve("keepalive_s=1.0", "keepalive_timeout_s=1.0", "consumer_ttl_s=2.0")
 
     async def run() -> list[float]:
         rss = []
