@@ -55,7 +55,7 @@ SLOW = {
         "~5 s: two trainer ranks with torch.distributed",
     "test_tiny_model.py::test_sampled_batch_pass_rate_and_long_tail": "~12 s: a batch sampled with transformers",
     "test_fuzz_routes.py::test_every_rpc_answers_random_and_oversized_values_with_a_status_naming_them":
-        "~10 s: 500 random calls",
+        "~5 s: 500 random calls",
     "test_fuzz_routes.py::test_every_http_route_answers_random_and_oversized_values_without_a_500":
         "~15 s: 300 random requests",
     "test_memory_bounds.py::test_100k_abandoned_trajectories_end_at_their_deadline_and_memory_stays_flat":
