@@ -127,7 +127,10 @@ async def _call(stub, method, draw):
         elif method.server_streaming:  # read a little: a stream may rightly wait for samples
             call = fn(message(draw, method.input_type))
             try:
-                await asyncio.wait_for(call.read(), 2)
+                # The request is validated before the stream's metadata is sent (an invalid one has
+                # ended by then); what it has to send at once comes within half a second after.
+                await asyncio.wait_for(call.initial_metadata(), 15)
+                await asyncio.wait_for(call.read(), 0.5)
             except asyncio.TimeoutError:
                 pass
             finally:

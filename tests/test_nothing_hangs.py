@@ -130,7 +130,7 @@ async def test_after_an_abort_and_with_a_request_in_flight_sigterm_stops_promptl
             await client.abort(all=True)
             assert [c["finish_reason"] for c in (await asyncio.wait_for(first, 2))["choices"]] == ["abort"]
             second = asyncio.ensure_future(_post(session, http_port, "/v1/completions", LONG, True))
-            await asyncio.sleep(0.5)
+            await wait_until(generating, 10, "the second HTTP request to run")
             t0 = time.monotonic()
             server.send_signal(signal.SIGTERM)
             assert await asyncio.wait_for(second, 5) == ["abort"]  # answered, not cut off

@@ -17,7 +17,7 @@ def _serve(grpc_port, http_port, state_dir):
     return subprocess.Popen(
         [sys.executable, "-m", "rollout_service.cli", "serve", "--engine", "sim", "--num-engines", "2",
          "--grpc-port", str(grpc_port), "--http-port", str(http_port),
-         "--set", f'state_dir="{state_dir}"', "--set", "engine.sim.decode_base_s=0.01"],
+         "--set", f'state_dir="{state_dir}"', "--set", "engine.sim.decode_base_s=0.005"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
 

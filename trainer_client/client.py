@@ -24,6 +24,7 @@ Respond = Callable[[CompletedSample], Union[Observation, Awaitable[Observation]]
 log = logging.getLogger(__name__)
 
 INCARNATION_KEY = "rollout-incarnation"  # the stream's initial metadata
+RECONNECT_BACKOFF_MS = (250, 2000)  # first and longest wait between attempts to connect
 
 
 class ServiceRestarted(Exception):
@@ -142,7 +143,11 @@ class RolloutClient:
         self.consumer_id = consumer_id or f"consumer-{uuid.uuid4().hex[:8]}"
         self.reconnect_timeout_s = reconnect_timeout_s
         max_msg = max_message_mb * 1024 * 1024
-        options = [("grpc.max_receive_message_length", max_msg), ("grpc.max_send_message_length", max_msg)]
+        options = [("grpc.max_receive_message_length", max_msg), ("grpc.max_send_message_length", max_msg),
+                   # A service starting or restarting is tried again every 2 s at most: gRPC's default
+                   # backoff grows to 2 min, so a client could find a service back long after it was.
+                   ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+                   ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1])]
         if tls_ca_file:
             with open(tls_ca_file, "rb") as f:
                 creds = grpc.ssl_channel_credentials(root_certificates=f.read())
