@@ -41,14 +41,16 @@ measured rates), which `load_tests run --cost-model` and `predict` use:
 
     python -m load_tests.calibrate --model DIR --draft bundled --out fit.json
 
-With `--draft ngram` the second engine drafts without a model (n-gram
-prompt lookup matching a single token, on long random prompts, so that
-nearly every step drafts): the same K = 0 and verify steps, and the tokens
+With `--draft ngram` the engine drafts without a model (n-gram prompt
+lookup matching a single token, on long random prompts, so that nearly
+every step drafts): the same K = 0 and verify steps, and the tokens
 drafted per sequence and step, fit `spec_ngram_draft_cost` (the proposer and
 the verify step's own machinery, per draft token) and `spec_verify_cost`,
 what the model-free routes (`ngram`, `siblings`) pay. Their acceptance is
 the workload's, not measured here (a run's own goes to `predict --sim
-spec_ngram_acceptance=...`).
+spec_ngram_acceptance=...`). An n-gram engine at K = 0 steps as a plain
+one (no draft model runs), so that one engine measures the plain steps too,
+and the calibration starts one engine, not two.
 
 On a CPU it binds the engine to `--cores` (default: core 0, as one engine of
 a fleet runs) and gives it `VLLM_CPU_KVCACHE_SPACE=1` GiB of KV cache; on a
@@ -203,13 +205,15 @@ def decode_tokens(quick: bool) -> tuple[int, int]:
 def schedule(batches: list[int], max_len: int, quick: bool) -> tuple[list[tuple[int, int]], list[int]]:
     """What a calibration measures: the decode shapes (batch, prompt
     length), short prompts at every batch, long ones at 16 and the
-    largest, and (unless quick) a rollout tail's shape: 1 and 4 sequences
-    deep into long responses; and the prompt lengths of the prefill
-    measurements."""
+    largest (at the largest alone when it is below 16: the engine runs no
+    more at once, and a batch of 16 would queue in waves of it), and
+    (unless quick) a rollout tail's shape: 1 and 4 sequences deep into long
+    responses; and the prompt lengths of the prefill measurements."""
     t2 = decode_tokens(quick)[1]
     prompt_long = min(448, max_len - t2 - 8)
     prompt_tail = min(TAIL_PROMPT, max_len - t2 - 8)
-    shapes = [(b, 16) for b in batches] + [(16, prompt_long), (max(batches), prompt_long)]
+    largest = max(batches)
+    shapes = [(b, 16) for b in batches] + [(b, prompt_long) for b in sorted({min(16, largest), largest})]
     if not quick and prompt_tail > prompt_long:
         shapes += [(1, prompt_tail), (FLOOR_BATCH, prompt_tail)]
     lengths = [32, 128, 256, 512, min(896, max_len - 8)]
@@ -434,11 +438,11 @@ def _shutdown(llm) -> None:
         llm.llm_engine.engine_core.shutdown()
 
 
-def calibrate_draft(args, model: str, vocab: int, max_len: int, batches: list[int]) -> dict:
-    """`measure_draft` on an engine of the same model with the draft model attached."""
+def start_draft_engine(args, model: str, max_len: int, batches: list[int]):
+    """An engine of the same model that speculates as `--draft` says, at
+    K = 0 until told otherwise."""
     from vllm import LLM
 
-    from rollout_service.bench.workloads.tiny_reasoner import generate
     from rollout_service.engines.spec_config import SpecConfig
 
     model_free = args.draft == "ngram"
@@ -455,10 +459,21 @@ def calibrate_draft(args, model: str, vocab: int, max_len: int, batches: list[in
         what = f"{'EAGLE head' if method == 'eagle' else 'draft model'} {Path(spec.draft_model_path()).name}"
     max_seqs = max(batches)
     print(f"speculation: {what}, K=0 and K={args.spec_k}; starting the engine...", flush=True)
-    llm = LLM(model=model, dtype=args.dtype, enforce_eager=True, max_model_len=max_len, max_num_seqs=max_seqs,
-              enable_prefix_caching=False, seed=0, disable_log_stats=False,
-              speculative_config=spec.vllm_speculative_config(max_seqs))
-    _barrier(args, "draft-up")
+    return LLM(model=model, dtype=args.dtype, enforce_eager=True, max_model_len=max_len, max_num_seqs=max_seqs,
+               enable_prefix_caching=False, seed=0, disable_log_stats=False,
+               speculative_config=spec.vllm_speculative_config(max_seqs))
+
+
+def calibrate_draft(args, model: str, vocab: int, max_len: int, batches: list[int], llm=None) -> dict:
+    """`measure_draft` on an engine of the same model with the draft model
+    attached (`llm`, or one started here), shut down after."""
+    from rollout_service.bench.workloads.tiny_reasoner import generate
+
+    model_free = args.draft == "ngram"
+    max_seqs = max(batches)
+    if llm is None:
+        llm = start_draft_engine(args, model, max_len, batches)
+        _barrier(args, "draft-up")
     workload = generate(1, args.task_groups, seed=args.seed, samples_per_group=4)
     prompts = [list(g.prompt_token_ids) for g in workload.steps[0]]
     try:
@@ -718,16 +733,20 @@ def calibrate_one(args) -> dict:
     device = "cpu" if current_platform.is_cpu() else current_platform.device_name
     print(f"calibrating {model} on vLLM {device} ({args.dtype}); starting the engine...", flush=True)
     t0 = time.perf_counter()
-    llm = LLM(model=model, dtype=args.dtype, enforce_eager=True, max_model_len=max_len,
-              max_num_seqs=max(batches), enable_prefix_caching=False, seed=0, disable_log_stats=False)
+    # An n-gram engine at K = 0 steps as a plain one: it measures both, started once.
+    shared = args.draft == "ngram"
+    llm = (start_draft_engine(args, model, max_len, batches) if shared else
+           LLM(model=model, dtype=args.dtype, enforce_eager=True, max_model_len=max_len,
+               max_num_seqs=max(batches), enable_prefix_caching=False, seed=0, disable_log_stats=False))
     startup = time.perf_counter() - t0
     print(f"  engine up in {startup:.1f} s", flush=True)
     _barrier(args, "up")
     m = measure(llm, int(config["vocab_size"]), max_len, batches, args.repeats, args.quick)
     draft = None
     if args.draft:
-        _shutdown(llm)
-        draft = calibrate_draft(args, model, int(config["vocab_size"]), max_len, batches)
+        if not shared:
+            _shutdown(llm)
+        draft = calibrate_draft(args, model, int(config["vocab_size"]), max_len, batches, llm if shared else None)
     result = {
         "model": Path(model).name,
         "device": device,

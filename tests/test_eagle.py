@@ -137,7 +137,7 @@ async def test_an_eagle_head_distilled_online_from_the_policy_drafts_better(head
     await eagle_engine.speculation.update_draft_weights(version + 1, staged(head_state(fresh_dir)))
     untrained = await greedy_acceptance(eagle_engine, held_out)
     runtime = SpecRuntime(core, SpecConfig.from_dict(eagle_cfg(fresh_dir, tune=False, train=True, trainer={
-        "teacher": "policy", "min_new_samples": 10**9, "steps_per_round": 150, "nice": 0})))
+        "teacher": "policy", "min_new_samples": 10**9, "steps_per_round": 60, "nice": 0})))
     await runtime.start()
     trainer = runtime.trainer
     try:

@@ -163,6 +163,17 @@ def _load_teacher(path: str) -> None:
                          f"unexpected {unexpected[:3]}")
 
 
+def _fresh_targets(teacher, examples, targets, fresh, max_len: int, pad: int, top_k: int) -> list:
+    """The teacher's targets on `fresh`: those of `examples`' last ones
+    where `fresh` is their tail (as `training_set` picks it), computed
+    again otherwise."""
+    if not fresh:
+        return []
+    if len(fresh) <= len(examples) and examples[len(examples) - len(fresh):] == fresh:
+        return targets[len(targets) - len(fresh):]
+    return teacher_targets(teacher, fresh, max_len, pad, top_k)
+
+
 def _train_round(examples: list[tuple[list[int], list[int]]], fresh: list[tuple[list[int], list[int]]],
                  steps: int, batch_size: int, max_len: int, out_path: str, teacher_path: str | None = None,
                  top_k: int = 0) -> dict[str, float]:
@@ -185,7 +196,7 @@ def _train_round(examples: list[tuple[list[int], list[int]]], fresh: list[tuple[
         if teacher_path:
             _load_teacher(teacher_path)
         targets = teacher_targets(teacher, examples, max_len, pad, top_k)
-        fresh_targets = teacher_targets(teacher, fresh, max_len, pad, top_k) if fresh else []
+        fresh_targets = _fresh_targets(teacher, examples, targets, fresh, max_len, pad, top_k)
         acceptance_before = expected_acceptance(model, fresh, fresh_targets, max_len, pad) if fresh else 0.0
     before = agreement(model, fresh, max_len, pad) if fresh else 0.0
     losses = []
@@ -236,7 +247,7 @@ def _train_eagle_round(examples, fresh, steps: int, batch_size: int, max_len: in
     if teacher_path:
         _load_teacher(teacher_path)
     targets = teacher_targets(teacher, examples, max_len, pad, top_k)
-    fresh_targets = teacher_targets(teacher, fresh, max_len, pad, top_k) if fresh else []
+    fresh_targets = _fresh_targets(teacher, examples, targets, fresh, max_len, pad, top_k)
     before = eagle.acceptance(head, teacher, fresh, fresh_targets, 1, max_len, pad) if fresh else None
     _, _, losses = eagle.train_head(teacher, examples, targets, 0.0, steps, head=head, batch=batch_size,
                                     optimizer=_STATE["optimizer"], rng=_STATE["np_rng"], max_len=max_len, pad=pad)
