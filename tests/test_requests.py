@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+from rollout_service.api.convert import WIRE_SAMPLES
 from rollout_service.core.clock import Clock, run_virtual
 from rollout_service.core.requests import RequestTable
 from rollout_service.core.rollout import RolloutCore
@@ -74,7 +75,7 @@ def test_a_graceful_stop_journals_partials_and_a_new_core_resumes_every_open_gro
 
     async def first():
         core = RolloutCore([SimEngine("e0", SimParams(**FAST))], make_placement("least-assigned"), Clock())
-        assert not core.open_state(str(tmp_path), 0.002)
+        assert not core.open_state(str(tmp_path), 0.002, WIRE_SAMPLES)
         await core.start()
         core.submit(specs)
         await asyncio.sleep(0.1)  # the short samples are delivered, the long ones part-way
@@ -89,7 +90,7 @@ def test_a_graceful_stop_journals_partials_and_a_new_core_resumes_every_open_gro
 
     async def second():
         core = RolloutCore([SimEngine("e0", SimParams(**FAST))], make_placement("least-assigned"), Clock())
-        assert core.open_state(str(tmp_path), 0.002)
+        assert core.open_state(str(tmp_path), 0.002, WIRE_SAMPLES)
         assert [r.request_id for r in core.queue] == sorted(partial) and core.knows("g0")
         await core.start()
         got = []

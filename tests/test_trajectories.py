@@ -9,6 +9,7 @@ from collections import deque
 
 import pytest
 
+from rollout_service.api.convert import WIRE_SAMPLES
 from rollout_service.core.clock import Clock, run_virtual
 from rollout_service.core.rollout import CoreLimits, RolloutCore
 from rollout_service.engines.sim import SimEngine, SimParams
@@ -271,7 +272,7 @@ def test_an_unknown_environment_is_refused_at_submit():
 def test_waiting_trajectories_survive_a_restart_and_finish_after_it(tmp_path):
     async def first():
         core = RolloutCore(_engines(1), make_placement("least-assigned"), Clock())
-        core.open_state(str(tmp_path), 0.002)
+        core.open_state(str(tmp_path), 0.002, WIRE_SAMPLES)
         core.submit([_group("k", 1, [[8, 6]], max_turns=2)])
         await core.start()
         stream = core.delivery.stream("c").__aiter__()
@@ -283,7 +284,7 @@ def test_waiting_trajectories_survive_a_restart_and_finish_after_it(tmp_path):
 
     async def second(sample_id):
         core = RolloutCore(_engines(1), make_placement("least-assigned"), Clock())
-        assert core.open_state(str(tmp_path), 0.002)
+        assert core.open_state(str(tmp_path), 0.002, WIRE_SAMPLES)
         await core.start()
         assert core.continue_trajectory(sample_id, 0, [2] * 4)
         final = await _samples(core, 1)
