@@ -105,13 +105,19 @@ async def test_max_version_lag_bounds_staleness_and_loses_nothing(vllm_service, 
                               group_id=f"{prefix}-{i}") for i in range(6)]
         await vclient.submit(groups)
         delivered = []
-        versions_at_delivery = []
+        # The version serving when each sample finished (a client may read it
+        # after a later push): what the lag is bounded against.
+        version_at_finish = {}
+
+        def tap(sample):
+            version_at_finish[sample.sample_id] = vllm_service.core.policy_version
+
+        vllm_service.core.sample_taps.append(tap)
 
         async def consume():
             async for s in vclient.stream():
                 if s.group_id.startswith(prefix):
                     delivered.append(s)
-                    versions_at_delivery.append(vllm_service.core.policy_version)
                     if len(delivered) == 24:
                         return
 
@@ -122,9 +128,13 @@ async def test_max_version_lag_bounds_staleness_and_loses_nothing(vllm_service, 
                 break
             v = vllm_service.core.policy_version
             await vclient.push_weights(bundled_weights(), version=v + 1)
-        await asyncio.wait_for(task, 240)
+        try:
+            await asyncio.wait_for(task, 240)
+        finally:
+            vllm_service.core.sample_taps.remove(tap)
     assert len({s.sample_id for s in delivered}) == 24  # each once, none lost
-    for s, current in zip(delivered, versions_at_delivery):
+    for s in delivered:
+        current = version_at_finish[s.sample_id]
         assert s.min_version >= current - 1, (s.versions, current)
         assert s.finish_reason in ("stop", "length")
 
