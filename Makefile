@@ -32,7 +32,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest --durations=15 $(ARGS); rc=$$?; if [ $$rc -eq 5 ]; then rc=0; fi; exit $$rc
 
-# The fast tier (markers applied by tests/conftest.py): about 2 minutes on 2 cores.
+# The fast tier (markers applied by tests/conftest.py): 2-3.5 minutes on 2 cores.
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not vllm and not ray and not slow" $(ARGS); rc=$$?; if [ $$rc -eq 5 ]; then rc=0; fi; exit $$rc
 
