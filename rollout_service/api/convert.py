@@ -17,9 +17,9 @@ def sample_to_pb(s: Sample) -> pb.Sample:
 
 class WireSamples:
     """A sample's rollout.v1 form, which is also its journal record (core's
-    `SampleCodec`): the journal writes the body's bytes, and a stream sends
-    the same message once the fields the sample shares with its group are
-    added (so a journaled sample is converted once)."""
+    `SampleCodec`): the journal writes the body's bytes and keeps the body;
+    a stream sends a copy of it with the fields the sample shares with its
+    group added (so a journaled sample is converted once)."""
 
     @staticmethod
     def body(s: Sample) -> pb.Sample:

@@ -38,7 +38,7 @@ class Entry:
     cursor: int
     sample: Sample
     group_complete: bool
-    wire: object = None  # the sample's wire message, when made already (by the journal)
+    wire: object = None  # the sample's wire message without its group's fields, when made already (by the journal)
 
 
 @dataclass(slots=True)

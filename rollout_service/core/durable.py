@@ -144,7 +144,7 @@ class SampleCodec(Protocol):
         """A body's bytes."""
 
     def complete(self, message: Any, sample: Sample) -> Any:
-        """The body with the group's fields added (in place): what streams send."""
+        """A copy of a body with the group's fields added (in place): what streams send."""
 
     def decode(self, data: bytes, prompt_token_ids: list[int], prompt_id: str, metadata: dict[str, str],
                batch_id: str, awaiting_observation: bool) -> Sample:
@@ -388,10 +388,10 @@ class DurableState:
 
     def record_sample(self, cursor: int, sample: Sample, group_complete: bool) -> tuple[int, Any]:
         """Append a sample's record; returns its sequence number and the
-        sample's wire message (what its streams send)."""
+        record's body (a stream completes a copy of it: the body does not
+        repeat the group's prompt in every retained sample)."""
         body = self.codec.body(sample)
-        seq = self.journal.append(self._sample_frame(cursor, sample, group_complete, body))
-        return seq, self.codec.complete(body, sample)
+        return self.journal.append(self._sample_frame(cursor, sample, group_complete, body)), body
 
     def _sample_frame(self, cursor: int, sample: Sample, group_complete: bool, body: Any = None) -> bytes:
         """A sample record, framed: cursor, group and flags as JSON, the
