@@ -94,19 +94,15 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             except CoreError:
                 pass  # the journal stopped: the stream sends what was recorded, then ends saying why
             async for entry in self.core.delivery.stream(consumer, request.from_cursor):
-                if entry.wire is None:
-                    yield pb.SampleEvent(
-                        cursor=entry.cursor,
-                        sample=convert.sample_to_pb(entry.sample),
-                        group_complete=entry.group_complete,
-                        awaiting_observation=entry.sample.awaiting_observation,
-                        incarnation=incarnation,
-                    )
-                    continue
-                # Journaled: the record's body, copied into the event, with its group's fields added.
-                event = pb.SampleEvent(cursor=entry.cursor, sample=entry.wire, group_complete=entry.group_complete,
-                                       awaiting_observation=entry.sample.awaiting_observation,
-                                       incarnation=incarnation)
+                # The body (the journal's, when it made one), copied into the
+                # event, then the group's fields added to that copy.
+                event = pb.SampleEvent(
+                    cursor=entry.cursor,
+                    sample=entry.wire if entry.wire is not None else convert.WIRE_SAMPLES.body(entry.sample),
+                    group_complete=entry.group_complete,
+                    awaiting_observation=entry.sample.awaiting_observation,
+                    incarnation=incarnation,
+                )
                 convert.WIRE_SAMPLES.complete(event.sample, entry.sample)
                 yield event
         except CoreError as exc:  # fallen behind its acks, dropped as silent, or state_dir cannot be written

@@ -144,7 +144,7 @@ class SampleCodec(Protocol):
         """A body's bytes."""
 
     def complete(self, message: Any, sample: Sample) -> Any:
-        """A copy of a body with the group's fields added (in place): what streams send."""
+        """`message` (a stream's copy of a body) with the group's fields added in place: what streams send."""
 
     def decode(self, data: bytes, prompt_token_ids: list[int], prompt_id: str, metadata: dict[str, str],
                batch_id: str, awaiting_observation: bool) -> Sample:
