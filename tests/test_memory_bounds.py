@@ -50,9 +50,12 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def _flat(label: str, rss: list[float]) -> None:
+    # Round 1 warms the process up (allocator arenas, gRPC's buffers: 5-10%
+    # more after round 2 whatever the code); from round 2 on, what a round
+    # leaks adds up: 1 KiB kept per sample would add 20 MiB a round here.
     print(f"{label}: server RSS per round (MiB): {', '.join(f'{r:.0f}' for r in rss)}; "
-          f"last / round 1 = {rss[-1] / rss[0]:.3f}")
-    assert rss[-1] <= rss[0] * 1.10, rss
+          f"last / round 2 = {rss[-1] / rss[1]:.3f}")
+    assert rss[-1] <= rss[1] * 1.10, rss
 
 
 def test_100k_abandoned_trajectories_end_at_their_deadline_and_memory_stays_flat():

@@ -270,8 +270,13 @@ def test_an_unknown_environment_is_refused_at_submit():
 
 
 def test_waiting_trajectories_survive_a_restart_and_finish_after_it(tmp_path):
+    # The virtual clock does not wait for the journal's writer thread: while a
+    # commit is written it may run hours ahead, past the default hour's
+    # observation deadline, which would end the waiting trajectory.
+    limits = CoreLimits(observation_timeout_s=1e9)
+
     async def first():
-        core = RolloutCore(_engines(1), make_placement("least-assigned"), Clock())
+        core = RolloutCore(_engines(1), make_placement("least-assigned"), Clock(), limits)
         core.open_state(str(tmp_path), 0.002, WIRE_SAMPLES)
         core.submit([_group("k", 1, [[8, 6]], max_turns=2)])
         await core.start()
@@ -283,7 +288,7 @@ def test_waiting_trajectories_survive_a_restart_and_finish_after_it(tmp_path):
         return event
 
     async def second(sample_id):
-        core = RolloutCore(_engines(1), make_placement("least-assigned"), Clock())
+        core = RolloutCore(_engines(1), make_placement("least-assigned"), Clock(), limits)
         assert core.open_state(str(tmp_path), 0.002, WIRE_SAMPLES)
         await core.start()
         assert core.continue_trajectory(sample_id, 0, [2] * 4)
