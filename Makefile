@@ -27,14 +27,15 @@ run: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/rollout-service demo $(ARGS)
 
-# pytest exits 5 when it collects no tests; that is not a failure here.
-# The whole suite prints its 15 slowest tests.
+# The whole suite: the tests on vLLM engines and Ray, and beside them those on
+# simulated engines (scripts/test_suite.sh); each prints its 15 slowest tests.
 test: $(STAMP)
-	$(BIN)/python -m pytest --durations=15 $(ARGS); rc=$$?; if [ $$rc -eq 5 ]; then rc=0; fi; exit $$rc
+	scripts/test_suite.sh $(BIN)/python $(ARGS)
 
-# The fast tier (markers applied by tests/conftest.py): 2-3.5 minutes on 2 cores.
+# The fast tier (markers applied by tests/conftest.py) on two pytest workers.
+# pytest exits 5 when it collects no tests; that is not a failure here.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -m "not vllm and not ray and not slow" $(ARGS); rc=$$?; if [ $$rc -eq 5 ]; then rc=0; fi; exit $$rc
+	$(BIN)/python -m pytest -n 2 -m "not vllm and not ray and not slow" $(ARGS); rc=$$?; if [ $$rc -eq 5 ]; then rc=0; fi; exit $$rc
 
 bench: $(STAMP)
 	$(BIN)/python -m load_tests.delivery_throughput $(ARGS)
