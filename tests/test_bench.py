@@ -101,6 +101,25 @@ async def test_a_prompt_file_of_token_ids_and_text_replays_with_its_lengths(tmp_
     assert doc["config"]["prompt_ids"] == "the workload's"
 
 
+async def test_the_report_shows_the_fleet_idle_in_a_tail_and_busy_on_a_wide_step(tmp_path):
+    # One long sample keeps one engine of two busy; sixteen keep both.
+    lone, wide = tmp_path / "lone.jsonl", tmp_path / "wide.jsonl"
+    lone.write_text(json.dumps({"prompt": [5, 6, 7], "output_len": 600, "n": 1}) + "\n")
+    wide.write_text(json.dumps({"prompt": [5, 6, 7], "output_len": 600, "n": 16}) + "\n")
+    async with running(sim_config(num_engines=2)) as service:
+        tail = await bench(service, "grpc", tmp_path / "tail", workload=str(lone), status_every_s=0.05)
+        busy = await bench(service, "grpc", workload=str(wide), status_every_s=0.05)
+    for doc in (tail, busy):
+        assert_complete(doc)
+        f = doc["summary"]["fleet"]
+        assert f["engines"] == 2 and f["polls_while_generating"] >= 5, f
+    assert 0.3 < tail["summary"]["fleet"]["busy_fraction"] <= 0.6, tail["summary"]["fleet"]
+    assert busy["summary"]["fleet"]["busy_fraction"] >= 0.8, busy["summary"]["fleet"]
+    assert "| fleet busy while generating | " in (tmp_path / "tail" / "report.md").read_text()
+    polls = json.loads((tmp_path / "tail" / "report.json").read_text())["fleet_polls"]
+    assert {p["busy"] for p in polls} >= {1} and max(p["busy"] for p in polls) <= 1
+
+
 def test_an_unreachable_target_fails_in_seconds_naming_it(capsys):
     port = free_port()
     for target in (f"grpc://127.0.0.1:{port}", f"http://127.0.0.1:{port}"):

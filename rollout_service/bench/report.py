@@ -98,6 +98,26 @@ def summarise(records: list[StepRecord], target, expected: dict[tuple[str, int],
     }
 
 
+def fleet(polls: list[dict], records: list[StepRecord], every_s: float) -> dict:
+    """The fleet's utilisation from the service's status polls (`bench
+    --status-every-s`): the share of live engines with a request running,
+    and the requests running per engine and waiting, averaged over the
+    polls inside the steps' generation windows (the trainer stand-in's
+    time and the pushes left out): a long tail shows as engines idle while
+    a step waits for its last samples."""
+    windows = [(r.submitted_at, r.done_at) for r in records]
+    gen = [p for p in polls if p["engines"] and any(a <= p["t"] <= b for a, b in windows)]
+    return {
+        "polls": len(polls),
+        "polls_while_generating": len(gen),
+        "every_s": every_s,
+        "engines": max((p["engines"] for p in polls), default=0),
+        "busy_fraction": float(np.mean([p["busy"] / p["engines"] for p in gen])) if gen else None,
+        "running_per_engine": float(np.mean([p["running"] / p["engines"] for p in gen])) if gen else None,
+        "waiting": float(np.mean([p["waiting"] for p in gen])) if gen else None,
+    }
+
+
 def _p(d: dict | None, key: str, scale: float = 1.0, fmt: str = "{:.3f}") -> str:
     return fmt.format(d[key] * scale) if d else "-"
 
@@ -120,6 +140,11 @@ def markdown(doc: dict) -> str:
     rows += [("samples delivered / submitted", f"{s['samples_delivered']} / {s['samples_submitted']}"),
              ("errors by status", ", ".join(f"{k}: {v}" for k, v in s["errors"].items()) or "none"),
              ("lengths as asked", "-" if s["lengths_matched"] is None else f"{s['lengths_matched']:.1%}")]
+    f = s.get("fleet")
+    if f and f["busy_fraction"] is not None:
+        rows.append(("fleet busy while generating",
+                     f"{f['busy_fraction']:.0%} of {f['engines']} engines ({f['running_per_engine']:.1f} running per "
+                     f"engine, {f['waiting']:.1f} waiting; {f['polls_while_generating']} polls)"))
     lines += [f"| {a} | {b} |" for a, b in rows]
     lines += ["", f"TTFT and inter-token latency: {s['timing_source']}."]
     lines += [f"First error {k}: {v}" for k, v in s["error_examples"].items()] + [""]
@@ -127,15 +152,18 @@ def markdown(doc: dict) -> str:
 
 
 def plot(out: Path, doc: dict, latencies: list[float], ttft: list[float] = ()) -> Path:
-    """`bench.png`: each step's makespan, and the CDFs of per-sample latency
-    and time to first token."""
+    """`bench.png`: each step's makespan, the CDFs of per-sample latency
+    and time to first token, and (over gRPC) the fleet's busy engines over
+    time."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     s = doc["summary"]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+    polls = doc.get("fleet_polls") or []
+    fig, axes = plt.subplots(1, 3 if polls else 2, figsize=(15 if polls else 10, 3.6))
+    a, b = axes[0], axes[1]
     steps = s["per_step"]
     a.bar([p["step"] for p in steps], [p["makespan_s"] for p in steps], color="tab:blue")
     a.set_xticks([p["step"] for p in steps])
@@ -150,6 +178,18 @@ def plot(out: Path, doc: dict, latencies: list[float], ttft: list[float] = ()) -
     b.set_xlabel("per sample, s")
     b.set_ylabel("fraction of samples")
     b.grid(alpha=0.3)
+    if polls:
+        c = axes[2]
+        t0 = polls[0]["t"]
+        c.step([p["t"] - t0 for p in polls], [p["busy"] for p in polls], where="post", color="tab:green",
+               label="engines with a request running")
+        c.step([p["t"] - t0 for p in polls], [p["engines"] for p in polls], where="post", color="tab:gray",
+               linestyle=":", label="live engines")
+        c.set_xlabel("s since the first status poll")
+        c.set_ylabel("engines")
+        c.set_ylim(bottom=0)
+        c.legend(fontsize=8)
+        c.set_title("the fleet's utilisation", fontsize=10)
     fig.suptitle(f"{doc['config']['workload']} against {doc['config']['target']}", fontsize=10)
     fig.tight_layout()
     path = out / "bench.png"
@@ -190,7 +230,7 @@ COMPARED = [("groups/s", "groups_per_s", None), ("samples/s", "samples_per_s", N
             ("latency p99 s", "latency_s", "p99"), ("TTFT p50 s", "ttft_s", "p50"), ("TTFT p99 s", "ttft_s", "p99"),
             ("inter-token p50 s", "itl_s", "p50"), ("inter-token p99 s", "itl_s", "p99"),
             ("samples delivered", "samples_delivered", None), ("samples submitted", "samples_submitted", None),
-            ("samples failed", "samples_failed", None)]
+            ("samples failed", "samples_failed", None), ("fleet busy", "fleet", "busy_fraction")]
 
 
 def _num(x) -> str:

@@ -61,6 +61,7 @@ class BenchOptions:
     request_timeout_s: float = 600.0
     run_timeout_s: float = 24 * 3600.0
     progress_s: float = 10.0
+    status_every_s: float = 0.5
     plots: bool = True
 
 
@@ -143,6 +144,20 @@ class _Counted:
         return self.target.now()
 
 
+async def _watch_fleet(client, counted: _Counted, every_s: float, polls: list[dict]) -> None:
+    """Poll the service's GetStatus every `every_s` seconds: what each
+    engine runs, for the report's fleet utilisation (`report.fleet`). A
+    failed poll is skipped: the run's own calls report the target's errors."""
+    while True:
+        with contextlib.suppress(Exception):
+            st = await asyncio.wait_for(client.status(), max(every_s, 1.0))
+            live = [e for e in st.engines if e.state != "dead"]
+            polls.append({"t": counted.now(), "engines": len(live), "busy": sum(e.running > 0 for e in live),
+                          "running": sum(e.running for e in live),
+                          "waiting": sum(e.waiting for e in live) + st.queued_requests})
+        await asyncio.sleep(every_s)
+
+
 async def _progress(counted: _Counted, total: int, every_s: float, t0: float) -> None:
     while True:
         await asyncio.sleep(every_s)
@@ -190,7 +205,8 @@ async def run_bench(opts: BenchOptions, out=sys.stdout) -> dict:
     run_id = f"bench-{uuid.uuid4().hex[:8]}"
     counted = _Counted(target)
     t0 = time.monotonic()
-    progress = None
+    progress = watch = None
+    polls: list[dict] = []
     try:
         w, cut = fit_context(w, max_len)
         expected = {}
@@ -200,6 +216,8 @@ async def run_bench(opts: BenchOptions, out=sys.stdout) -> dict:
                     expected.update({(g.group_id, i): L for i, L in enumerate(g.target_lengths)})
         total = sum(g.num_samples for step in w.steps for g in step)
         progress = asyncio.create_task(_progress(counted, total, opts.progress_s, t0))
+        if client is not None and opts.status_every_s > 0:
+            watch = asyncio.create_task(_watch_fleet(client, counted, opts.status_every_s, polls))
         async with asyncio.timeout(opts.run_timeout_s):
             if opts.mode == "closed":
                 records, dups = await driver.closed_loop(
@@ -208,22 +226,25 @@ async def run_bench(opts: BenchOptions, out=sys.stdout) -> dict:
             else:
                 records, dups = await driver.open_loop(counted, w, vocab, opts.rate, seed=opts.seed, run_id=run_id)
     finally:
-        if progress is not None:
-            progress.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await progress
+        for task in (progress, watch):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if session is not None:
             await target.close()
             await session.close()
         if client is not None:
             await client.close()
     summary = report.summarise(records, target, expected or None, dups)
+    summary["fleet"] = report.fleet(polls, records, opts.status_every_s) if polls else None
     config = {k: v for k, v in asdict(opts).items() if k != "token"}
     config.update(model=model, lengths=_lengths_statement(kind, opts.lengths, exact), vocab_size=vocab,
                   prompt_ids=f"made up in [3, {vocab})" if not any(g.prompt_token_ids or g.prompt_text
                                                                    for s in w.steps for g in s) else "the workload's",
                   max_model_len=max_len, samples_cut_to_context=cut, wall_s=time.monotonic() - t0)
-    doc = {"schema": report.SCHEMA, "config": config, "workload": w.describe(), "summary": summary}
+    doc = {"schema": report.SCHEMA, "config": config, "workload": w.describe(), "summary": summary,
+           "fleet_polls": polls}
     print(report.markdown(doc), file=out)
     if opts.report:
         latencies = [c.finished_at - c.queued_at for r in records for c in r.samples
@@ -274,6 +295,8 @@ def add_parser(sub) -> None:
     p.add_argument("--request-timeout-s", type=float, default=600.0, help="http: bound on one request")
     p.add_argument("--run-timeout-s", type=float, default=24 * 3600.0, help="bound on the whole run")
     p.add_argument("--progress-s", type=float, default=10.0, help="print a progress line this often")
+    p.add_argument("--status-every-s", type=float, default=0.5,
+                   help="grpc: poll the service's status this often for the fleet's utilisation (0: never)")
     p.add_argument("--quick", action="store_true", help="2 steps of at most 8 groups, lengths x0.1")
     p.add_argument("--report", metavar="DIR", help="write report.json, report.md and bench.png here")
     p.add_argument("--no-plots", dest="plots", action="store_false")
