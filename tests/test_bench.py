@@ -34,6 +34,10 @@ def assert_complete(doc: dict) -> None:
         assert s[key] > 0, key
     for key in ("latency_s", "ttft_s", "itl_s"):
         assert s[key]["p50"] <= s[key]["p90"] <= s[key]["p99"], key
+    # The trace's lower bound: no step beats its longest sample at the fastest per-token time.
+    for step in s["per_step"]:
+        assert 0 < step["lower_bound_s"] <= step["makespan_s"], step
+    assert s["makespan_over_bound"]["max"] >= s["makespan_over_bound"]["mean"] >= 1.0
 
 
 async def test_bench_over_grpc_delivers_every_sample_at_the_trace_lengths_and_writes_the_report(tmp_path):
@@ -115,6 +119,9 @@ async def test_the_report_shows_the_fleet_idle_in_a_tail_and_busy_on_a_wide_step
         assert f["engines"] == 2 and f["polls_while_generating"] >= 5, f
     assert 0.3 < tail["summary"]["fleet"]["busy_fraction"] <= 0.6, tail["summary"]["fleet"]
     assert busy["summary"]["fleet"]["busy_fraction"] >= 0.8, busy["summary"]["fleet"]
+    # The bound is the 600-token sample at the run's fastest per-token time.
+    s = tail["summary"]
+    assert s["per_step"][0]["lower_bound_s"] == pytest.approx(599 * s["fastest_token_s"])
     assert "| fleet busy while generating | " in (tmp_path / "tail" / "report.md").read_text()
     polls = json.loads((tmp_path / "tail" / "report.json").read_text())["fleet_polls"]
     assert {p["busy"] for p in polls} >= {1} and max(p["busy"] for p in polls) <= 1

@@ -119,6 +119,7 @@ class StepRecord:
     needed_groups: int = 0
     samples_submitted: int = 0
     groups_complete: int = 0
+    samples_waited: int = -1  # the first samples, those the step waited for (-1: not known)
 
     @property
     def makespan_s(self) -> float:
@@ -253,6 +254,7 @@ async def closed_loop(
             await target.submit(groups)
             await collector.until(record, record.needed_groups)
             record.done_at = target.now()
+            record.samples_waited = len(record.samples)
             if on_step_end:
                 on_step_end(record)
             await _train(train_s)
@@ -410,6 +412,7 @@ async def open_loop(
         await collector.until(record, len(groups))
         await feeder
         record.done_at = record.weights_at = target.now()
+        record.samples_waited = len(record.samples)
         if on_step_end:
             on_step_end(record)
     finally:

@@ -69,6 +69,10 @@ def summarise(records: list[StepRecord], target, expected: dict[tuple[str, int],
         hits = [c.response_len == expected.get((c.group_id, c.index)) for c in good]
         matched = float(np.mean(hits)) if hits else None
     spans = [r.makespan_s for r in records]
+    token_s, bounds = lower_bounds(records, good)
+    for row, bound in zip(per_step, bounds):
+        row["lower_bound_s"] = bound
+    ratios = [r.makespan_s / b for r, b in zip(records, bounds) if b]
     return {
         "steps": len(records),
         "generation_s": gen_s,
@@ -84,6 +88,8 @@ def summarise(records: list[StepRecord], target, expected: dict[tuple[str, int],
         "tokens_per_s": tokens / gen_s if gen_s > 0 else 0.0,
         "step_makespan_s": {"mean": float(np.mean(spans)), "max": float(np.max(spans)), "min": float(np.min(spans))}
         if spans else None,
+        "fastest_token_s": token_s,
+        "makespan_over_bound": {"mean": float(np.mean(ratios)), "max": float(np.max(ratios))} if ratios else None,
         "step_time_s": cycle_s / len(records) if records else 0.0,
         "groups_per_s_with_trainer": groups_ok / cycle_s if cycle_s > 0 else 0.0,
         "latency_s": percentiles([c.finished_at - c.queued_at for c in good]),
@@ -96,6 +102,25 @@ def summarise(records: list[StepRecord], target, expected: dict[tuple[str, int],
         "lengths_matched": matched,
         "per_step": per_step,
     }
+
+
+def lower_bounds(records: list[StepRecord], good: list[Completion]) -> tuple[float | None, list[float | None]]:
+    """The trace's lower bound of each step's makespan: its longest sample
+    (of those the step waited for) at the run's fastest per-token time,
+    the smallest of the samples' mean inter-token times. A sample decodes
+    no faster than that, so makespan / bound >= 1; what is above 1 is the
+    tail's cost and the queueing (the bound is as tight as the run's
+    lightest-loaded sample was fast). Returns (that time, the bounds);
+    None where the target gave no first-token times."""
+    times = [(c.finished_at - c.first_token_at) / (c.response_len - 1) for c in good
+             if c.response_len > 1 and c.first_token_at > 0]
+    token_s = min(times) if times else None
+    bounds: list[float | None] = []
+    for r in records:
+        waited = r.samples[:r.samples_waited] if r.samples_waited >= 0 else []
+        longest = max((c.response_len for c in waited if not _is_error(c)), default=0)
+        bounds.append((longest - 1) * token_s if token_s and longest > 1 else None)
+    return token_s, bounds
 
 
 def fleet(polls: list[dict], records: list[StepRecord], every_s: float) -> dict:
@@ -132,6 +157,9 @@ def markdown(doc: dict) -> str:
     rows = [("groups/s", f"{s['groups_per_s']:.2f}"), ("samples/s", f"{s['samples_per_s']:.1f}"),
             ("tokens/s", f"{s['tokens_per_s']:.0f}"),
             ("step makespan s (mean / max)", f"{_p(s['step_makespan_s'], 'mean')} / {_p(s['step_makespan_s'], 'max')}"),
+            ("step makespan / the trace's lower bound (mean / max)",
+             f"{_p(s.get('makespan_over_bound'), 'mean', fmt='{:.2f}')} / "
+             f"{_p(s.get('makespan_over_bound'), 'max', fmt='{:.2f}')}"),
             ("RL step s (with trainer and push)", f"{s['step_time_s']:.3f}")]
     for name, key in (("latency", "latency_s"), ("TTFT", "ttft_s"), ("inter-token", "itl_s")):
         d = s[key]
@@ -147,6 +175,9 @@ def markdown(doc: dict) -> str:
                      f"engine, {f['waiting']:.1f} waiting; {f['polls_while_generating']} polls)"))
     lines += [f"| {a} | {b} |" for a, b in rows]
     lines += ["", f"TTFT and inter-token latency: {s['timing_source']}."]
+    if s.get("fastest_token_s"):
+        lines += ["", f"The trace's lower bound of a step: its longest sample at the run's fastest per-token time "
+                      f"({s['fastest_token_s'] * 1e3:.2f} ms)."]
     lines += [f"First error {k}: {v}" for k, v in s["error_examples"].items()] + [""]
     return "\n".join(lines)
 
@@ -226,6 +257,7 @@ def load(path: str | Path) -> dict:
 
 COMPARED = [("groups/s", "groups_per_s", None), ("samples/s", "samples_per_s", None),
             ("tokens/s", "tokens_per_s", None), ("step makespan s", "step_makespan_s", "mean"),
+            ("makespan / bound", "makespan_over_bound", "mean"),
             ("RL step s", "step_time_s", None), ("latency p50 s", "latency_s", "p50"),
             ("latency p99 s", "latency_s", "p99"), ("TTFT p50 s", "ttft_s", "p50"), ("TTFT p99 s", "ttft_s", "p99"),
             ("inter-token p50 s", "itl_s", "p50"), ("inter-token p99 s", "itl_s", "p99"),
