@@ -303,7 +303,7 @@ class EngineStatus(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., kind: _Optional[str] = ..., state: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., policy_version: _Optional[int] = ..., assigned: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("policy_version", "engines", "queued_requests", "running_requests", "open_groups", "last_cursor", "retained_samples", "scheduler", "counters", "uptime_s", "model", "spec", "incarnation", "journal_error")
+    __slots__ = ("policy_version", "engines", "queued_requests", "running_requests", "open_groups", "last_cursor", "retained_samples", "scheduler", "counters", "uptime_s", "model", "spec", "incarnation", "journal_error", "paused")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -325,6 +325,7 @@ class StatusResponse(_message.Message):
     SPEC_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     JOURNAL_ERROR_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_FIELD_NUMBER: _ClassVar[int]
     policy_version: int
     engines: _containers.RepeatedCompositeFieldContainer[EngineStatus]
     queued_requests: int
@@ -339,7 +340,8 @@ class StatusResponse(_message.Message):
     spec: SpecStatus
     incarnation: str
     journal_error: str
-    def __init__(self, policy_version: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ..., queued_requests: _Optional[int] = ..., running_requests: _Optional[int] = ..., open_groups: _Optional[int] = ..., last_cursor: _Optional[int] = ..., retained_samples: _Optional[int] = ..., scheduler: _Optional[str] = ..., counters: _Optional[_Mapping[str, float]] = ..., uptime_s: _Optional[float] = ..., model: _Optional[str] = ..., spec: _Optional[_Union[SpecStatus, _Mapping]] = ..., incarnation: _Optional[str] = ..., journal_error: _Optional[str] = ...) -> None: ...
+    paused: str
+    def __init__(self, policy_version: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ..., queued_requests: _Optional[int] = ..., running_requests: _Optional[int] = ..., open_groups: _Optional[int] = ..., last_cursor: _Optional[int] = ..., retained_samples: _Optional[int] = ..., scheduler: _Optional[str] = ..., counters: _Optional[_Mapping[str, float]] = ..., uptime_s: _Optional[float] = ..., model: _Optional[str] = ..., spec: _Optional[_Union[SpecStatus, _Mapping]] = ..., incarnation: _Optional[str] = ..., journal_error: _Optional[str] = ..., paused: _Optional[str] = ...) -> None: ...
 
 class SpecDepthBucket(_message.Message):
     __slots__ = ("min_batch", "max_batch", "num_speculative_tokens", "best_k", "tokens_per_s_per_seq", "observations")

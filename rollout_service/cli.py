@@ -107,6 +107,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"model {st.model}  policy version {st.policy_version}  scheduler {st.scheduler}  up {st.uptime_s:.0f}s")
         print(f"queued {st.queued_requests}  running {st.running_requests}  open groups {st.open_groups}  "
               f"last cursor {st.last_cursor}  retained {st.retained_samples}")
+        if st.paused:
+            print(f"paused (mode={st.paused}): nothing is placed until POST /resume")
         print(f"{'engine':<12}{'kind':<6}{'state':<10}{'running':>8}{'waiting':>8}{'kv':>7}{'tok/s':>10}{'version':>8}")
         for e in st.engines:
             print(f"{e.engine_id:<12}{e.kind:<6}{e.state:<10}{e.running:>8}{e.waiting:>8}{e.kv_usage:>7.1%}"

@@ -126,6 +126,62 @@ async def test_requests_sent_while_paused_wait_for_resume(fleet):
     assert len(stream.tokens) == 5
 
 
+async def test_a_pause_shows_in_get_status_and_a_restarted_service_is_still_paused_until_resume(tmp_path):
+    cfg = sim_config(num_engines=2, sim=dict(SLOW_SIM))
+    cfg.state_dir = str(tmp_path)
+    async with running(cfg) as first:
+        async with connect(first, "trainer") as client:
+            assert (await client.status()).paused == ""
+            assert await _call(first.http_port, "POST", "/pause?mode=keep") == (200, {"status": "paused"})
+            assert (await client.status()).paused == "keep"
+            await client.submit([PromptGroup(prompt_token_ids=PROMPT, num_samples=2, max_tokens=5, group_id="held")])
+    async with running(cfg) as second:  # the first checkpointed the group and the pause
+        async with connect(second, "trainer") as client:
+            assert (await client.status()).paused == "keep"
+            assert await _call(second.http_port, "GET", "/is_paused") == (200, {"is_paused": True})
+            await asyncio.sleep(0.5)
+            st = await client.status()
+            assert st.queued_requests == 2 and st.running_requests == 0  # nothing placed while paused
+            assert await _call(second.http_port, "POST", "/resume") == (200, {"status": "resumed"})
+            got = []
+            async with asyncio.timeout(30):
+                async for s in client.stream():
+                    got.append(s)
+                    if len(got) == 2:
+                        break
+            assert {s.group_id for s in got} == {"held"} and all(len(s.response_token_ids) == 5 for s in got)
+            assert (await client.status()).paused == ""
+    async with running(cfg) as third:  # the resume was kept too
+        assert await _call(third.http_port, "GET", "/is_paused") == (200, {"is_paused": False})
+
+
+def test_a_pause_is_journaled_when_it_happens_not_only_at_a_checkpoint(tmp_path):
+    from rollout_service.api.convert import WIRE_SAMPLES
+    from rollout_service.core.clock import Clock
+    from rollout_service.core.rollout import RolloutCore
+    from rollout_service.engines.sim import SimEngine, SimParams
+    from rollout_service.scheduling import make_placement
+
+    async def reopened(action: str | None) -> str | None:
+        """The pause the journal restored; then `action` (a pause mode or
+        "resume") and a stop without a checkpoint."""
+        core = RolloutCore([SimEngine("e0", SimParams())], make_placement("least-assigned"), Clock())
+        core.open_state(str(tmp_path), 0.002, WIRE_SAMPLES)
+        mode = core.pausing.mode
+        await core.start()
+        if action == "resume":
+            core.pausing.resume()
+        elif action:
+            await core.pausing.pause(action, 1.0)
+        await core.commit()
+        await core.stop()  # no checkpoint: what survives is what the journal recorded
+        return mode
+
+    assert asyncio.run(reopened("wait")) is None
+    assert asyncio.run(reopened("resume")) == "wait"
+    assert asyncio.run(reopened(None)) is None
+
+
 async def test_pause_abort_answers_every_request_with_what_it_generated(fleet):
     """HTTP callers get their answer at once (finish "abort"), a trainer's
     gRPC stream gets its samples aborted with their tokens."""

@@ -307,7 +307,9 @@ class ServiceStatus:
     tokens_generated, ...); `uptime_s` in seconds; `spec` is None when the
     engines do not speculate; `incarnation` is constant while the service's
     state_dir survives (see ServiceRestarted); `journal_error` says why
-    state_dir cannot be written ("" while it can)."""
+    state_dir cannot be written ("" while it can); `paused` is the fleet's
+    pause in force (vLLM's /pause mode: "keep", "abort", "wait"; "" when
+    not paused)."""
 
     policy_version: int
     model: str
@@ -323,6 +325,7 @@ class ServiceStatus:
     spec: SpecStatus | None = None
     incarnation: str = ""
     journal_error: str = ""
+    paused: str = ""
 
     @classmethod
     def from_pb(cls, st) -> "ServiceStatus":
@@ -333,5 +336,5 @@ class ServiceStatus:
             retained_samples=st.retained_samples, uptime_s=st.uptime_s,
             counters={k: round(v) for k, v in st.counters.items()},  # whole counts, sent as doubles
             spec=SpecStatus.from_pb(st.spec) if st.HasField("spec") else None, incarnation=st.incarnation,
-            journal_error=st.journal_error,
+            journal_error=st.journal_error, paused=st.paused,
         )

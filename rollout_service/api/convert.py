@@ -145,6 +145,7 @@ def status_to_pb(st: CoreStatus, model: str, spec: SpecStatus | None = None) -> 
         model=model,
         spec=spec_status_to_pb(spec) if spec is not None else None,
         journal_error=st.journal_error,
+        paused=st.paused,
     )
 
 

@@ -10,6 +10,8 @@ for the whole fleet; they need the weights token (api/auth.py).
   is accepted and has nothing to clear: prefix caches are partitioned by
   policy version.
 - `POST /resume`: `{"status": "resumed"}`; `GET /is_paused`: `{"is_paused": bool}`.
+  The pause in force is GetStatus's `paused`; with state_dir it is journaled
+  before either answers, and a restarted service is still paused.
 - `POST /abort_requests {"request_ids": [...]}`: aborts those requests of
   the HTTP front ends (the ids their answers carry, or a generate request's
   own `request_id`); each answers at once with what it generated. Without
@@ -20,6 +22,7 @@ for the whole fleet; they need the weights token (api/auth.py).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 
 from aiohttp import web
@@ -53,11 +56,20 @@ class VllmControl:
         except CoreError as exc:
             status = 504 if exc.code == "deadline" else 400
             return error_response(status, str(exc), "mode", kind="invalid_request_error" if status == 400 else "timeout")
+        await self._recorded()
         return web.json_response({"status": "paused"})
 
     async def resume(self, _request: web.Request) -> web.Response:
         self.core.pausing.resume()
+        await self._recorded()
         return web.json_response({"status": "resumed"})
+
+    async def _recorded(self) -> None:
+        """With state_dir, answer once the pause or resume is journaled (a
+        restart keeps it). The change holds in any case: a journal that
+        cannot be written shows in /health and GetStatus."""
+        with contextlib.suppress(CoreError):
+            await self.core.commit()
 
     async def is_paused(self, _request: web.Request) -> web.Response:
         return web.json_response({"is_paused": self.core.pausing.paused})

@@ -307,6 +307,8 @@ class DurableState:
             elif kind == "done":
                 for gid in rec["groups"]:
                     done[gid] = None
+            elif kind == "pause":
+                snapshot.pause_mode = rec["mode"]
             elif kind == "cursor":
                 last_cursor = max(last_cursor, rec["c"])
             elif kind == "counters":
@@ -406,6 +408,9 @@ class DurableState:
     def record_ack(self, consumer_id: str, cursor: int) -> int:
         return self.journal.append({"t": "ack", "consumer": consumer_id, "c": cursor})
 
+    def record_pause(self, mode: str | None) -> int:
+        return self.journal.append({"t": "pause", "mode": mode})
+
     def record_abort(self, group_ids: list[str]) -> int:
         return self.journal.append({"t": "abort", "groups": group_ids})
 
@@ -458,13 +463,16 @@ class DurableState:
 
     def snapshot_records(self, snapshot: CoreSnapshot) -> list[bytes]:
         """The journal of a snapshot: header, weights, done groups, cursor,
-        consumers, retained samples, open groups with their progress."""
+        counters, the pause in force, consumers, retained samples, open
+        groups with their progress."""
         out = [frame({"t": "header", "format": FORMAT_VERSION, "incarnation": self.incarnation})]
         if snapshot.policy_version:
             out.append(frame({"t": "weights", "version": snapshot.policy_version, "file": self.weights_file}))
         out.append(frame({"t": "done", "groups": list(snapshot.done_group_ids)}))
         out.append(frame({"t": "cursor", "c": snapshot.last_cursor}))
         out.append(frame({"t": "counters", "counters": dict(snapshot.counters)}))
+        if snapshot.pause_mode:
+            out.append(frame({"t": "pause", "mode": snapshot.pause_mode}))
         for c in snapshot.consumers:
             out.append(frame({"t": "ack", "consumer": c.consumer_id, "c": c.acked}))
         open_ids = set()

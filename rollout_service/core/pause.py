@@ -42,6 +42,7 @@ class FleetPause:
         self._wake = wake
         self._version = version
         self.mode: str | None = None  # the mode of the pause in force; None: not paused
+        self.on_change: Callable[[str | None], object] | None = None  # called with the new mode (the journal)
 
     @property
     def paused(self) -> bool:
@@ -62,6 +63,8 @@ class FleetPause:
         # A keep after a wait still holds what runs; nothing weakens a pause in force.
         if self.mode != "keep":
             self.mode = mode
+            if self.on_change is not None:
+                self.on_change(mode)
         work = self._work
         if mode == "keep":
             plan = plan_carry_over(CarryOverConfig(mode="pause-resume"), work.unfinished(), work.running_ids(),
@@ -83,5 +86,7 @@ class FleetPause:
 
     def resume(self) -> None:
         """Place again: held and queued requests start (held ones by re-prefill)."""
+        if self.mode is not None and self.on_change is not None:
+            self.on_change(None)
         self.mode = None
         self._wake()

@@ -269,6 +269,7 @@ class RolloutCore:
         durable.journal.on_error.append(self._journal_failed)
         self.delivery.on_ack = durable.record_ack
         self.weight_sync.store = durable
+        self.pausing.on_change = durable.record_pause
         self.durable = durable
         return snapshot is not None
 
@@ -314,6 +315,7 @@ class RolloutCore:
             consumers=self.delivery.consumers(),
             counters=dict(self.counters),
             weights=self.weight_sync.last,
+            pause_mode=self.pausing.mode,
         )
 
     def restore_snapshot(self, snapshot: CoreSnapshot) -> None:
@@ -330,6 +332,7 @@ class RolloutCore:
                               snapshot.last_cursor, snapshot.consumers)
         self.counters.update(snapshot.counters)
         self.weight_sync.restored = snapshot.weights
+        self.pausing.mode = snapshot.pause_mode  # still paused: the trainer that paused it resumes it
 
     async def stop(self) -> None:
         """Stop every task the core started (awaited), then close the engines
@@ -855,4 +858,5 @@ class RolloutCore:
             placement_error=self.placement_error,
             placement_errors=self.counters["placement_errors"],
             journal_error=self.durable.failure if self.durable is not None else "",
+            paused=self.pausing.mode or "",
         )

@@ -23,3 +23,4 @@ class CoreSnapshot:
     consumers: list[Consumer] = field(default_factory=list)
     counters: dict[str, int] = field(default_factory=dict)
     weights: StagedWeights | None = None  # of `policy_version` (None: the model's own)
+    pause_mode: str | None = None  # the fleet's pause in force (core/pause.py); None: not paused

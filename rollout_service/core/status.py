@@ -36,6 +36,7 @@ class CoreStatus:
     placement_error: str = ""
     placement_errors: int = 0
     journal_error: str = ""  # why state_dir's journal cannot be written ("" while it can)
+    paused: str = ""  # the fleet's pause in force (core/pause.py: "keep", "abort", "wait"); "" when not paused
 
     @property
     def prefix_cache_queried_tokens(self) -> int:
