@@ -13,8 +13,8 @@ tool calls in flight, for the load test's "engines idle while tools run".
 from __future__ import annotations
 
 import asyncio
-import hashlib
 
+from rollout_service.bench.driver import observation_ids
 from rollout_service.lifecycle.types import EnvReply, EnvRequest
 
 NAME = "trace"
@@ -28,13 +28,6 @@ def per_turn(meta: dict[str, str], key: str, index: int, cast=float) -> list:
     samples = text.split(";")
     item = samples[index % len(samples)]
     return [cast(x) for x in item.split(",") if x.strip()]
-
-
-def observation_ids(sample_id: str, turn: int, length: int, vocab_size: int) -> list[int]:
-    """`length` deterministic ids in [3, vocab_size) for one observation."""
-    h = int.from_bytes(hashlib.blake2b(f"{sample_id}/{turn}".encode(), digest_size=8).digest(), "little")
-    span = max(1, vocab_size - 3)
-    return [3 + (h + 7919 * i) % span for i in range(length)]
 
 
 class TraceEnvironment:

@@ -7,6 +7,7 @@ import io
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from helpers import free_port, running, sim_config
@@ -32,6 +33,9 @@ def assert_complete(doc: dict) -> None:
     assert s["groups_complete"] == s["groups_submitted"]
     for key in ("groups_per_s", "samples_per_s", "tokens_per_s"):
         assert s[key] > 0, key
+    if s["trajectories"]:  # inter-token latency and the lower bound are of single-turn samples
+        assert s["itl_s"] is None and all(step["lower_bound_s"] is None for step in s["per_step"])
+        return
     for key in ("latency_s", "ttft_s", "itl_s"):
         assert s[key]["p50"] <= s[key]["p90"] <= s[key]["p99"], key
     # The trace's lower bound: no step beats its longest sample at the fastest per-token time.
@@ -72,6 +76,25 @@ async def test_open_loop_and_a_trainer_with_weight_pushes_deliver_every_sample()
     assert open_doc["summary"]["steps"] == 1
     assert_complete(closed)  # the groups the steps did not wait for are collected at the end
     assert all(p["weight_push_s"] > 0 and p["train_s"] >= 0.05 for p in closed["summary"]["per_step"])
+
+
+async def test_a_multi_turn_trace_replays_over_grpc_with_its_turns_observations_and_tool_latencies(tmp_path):
+    from rollout_service.bench.run import resolve_workload
+
+    kw = dict(workload="search-r1", quick=True, steps=1, groups_per_step=4)
+    traced = [t for g in resolve_workload(BenchOptions(target="grpc://x:1", **kw)).steps[0] for t in g.trajectories]
+    async with running(sim_config(num_engines=2)) as service:
+        doc = await bench(service, "grpc", **kw)
+        with pytest.raises(ValueError, match="multi-turn: it replays over grpc:// only"):
+            await bench(service, "http", **kw)
+    assert_complete(doc)
+    t = doc["summary"]["trajectories"]
+    assert t["count"] == len(traced) == doc["summary"]["samples_delivered"]
+    assert t["turns_mean"] == pytest.approx(np.mean([len(x.turn_lens) for x in traced]))
+    assert t["generated_tokens"] == sum(x.generated for x in traced)
+    assert doc["summary"]["lengths_matched"] == 1.0  # every turn as long as traced (simulated engines)
+    assert t["tool_s_mean"] >= np.mean([sum(x.tool_s) for x in traced])  # each tool waited as traced
+    assert any(sum(x.tool_s) > 0 for x in traced)
 
 
 async def test_a_held_out_trace_folder_replays_its_steps_and_lengths(tmp_path):
@@ -149,8 +172,8 @@ async def test_a_target_of_the_wrong_kind_is_named(tmp_path):
 def test_bad_flags_are_refused_naming_them(capsys):
     assert main(["bench", "--target", "localhost:50051"]) == 2
     assert "--target must be grpc://HOST:PORT" in capsys.readouterr().err
-    assert main(["bench", "--target", "grpc://127.0.0.1:1", "--workload", "search-r1", "--quick"]) == 2
-    assert "--workload search-r1 is multi-turn" in capsys.readouterr().err
+    assert main(["bench", "--target", "http://127.0.0.1:1", "--workload", "search-r1", "--quick"]) == 2
+    assert "--workload search-r1 is multi-turn: it replays over grpc:// only" in capsys.readouterr().err
 
 
 async def test_compare_prints_two_reports_side_by_side(tmp_path, capsys):

@@ -141,6 +141,13 @@ def prompt_ids(shape: GroupShape, key: str, vocab_size: int) -> list[int]:
     return [3 + (h + 7919 * i) % span for i in range(shape.prompt_len)]
 
 
+def observation_ids(sample_id: str, turn: int, length: int, vocab_size: int) -> list[int]:
+    """`length` deterministic ids in [3, vocab_size) for one traced observation."""
+    h = int.from_bytes(hashlib.blake2b(f"{sample_id}/{turn}".encode(), digest_size=8).digest(), "little")
+    span = max(1, vocab_size - 3)
+    return [3 + (h + 7919 * i) % span for i in range(length)]
+
+
 def group_requests(workload: Workload, step: int, run_id: str, vocab_size: int) -> list[GroupRequest]:
     out = []
     for i, shape in enumerate(workload.steps[step]):

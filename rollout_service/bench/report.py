@@ -62,13 +62,15 @@ def summarise(records: list[StepRecord], target, expected: dict[tuple[str, int],
     else:
         ttft = [c.first_token_at - c.queued_at for c in good if c.first_token_at > 0]
         itl = [(c.finished_at - c.first_token_at) / (c.response_len - 1) for c in good
-               if c.response_len > 1 and c.first_token_at > 0]
-        timing = "the service's per-sample timestamps (inter-token: each sample's mean)"
+               if c.response_len > 1 and c.first_token_at > 0 and not c.turns]
+        timing = "the service's per-sample timestamps (inter-token: each sample's mean; trajectories left out)"
     matched = None
     if expected:
-        hits = [c.response_len == expected.get((c.group_id, c.index)) for c in good]
+        # A trajectory's target is its generated tokens (its observations are the bench's own).
+        hits = [(c.generated_len if c.turns else c.response_len) == expected.get((c.group_id, c.index)) for c in good]
         matched = float(np.mean(hits)) if hits else None
     spans = [r.makespan_s for r in records]
+    trajectories = [c for c in good if c.turns]
     token_s, bounds = lower_bounds(records, good)
     for row, bound in zip(per_step, bounds):
         row["lower_bound_s"] = bound
@@ -100,6 +102,9 @@ def summarise(records: list[StepRecord], target, expected: dict[tuple[str, int],
         "errors": errors,
         "error_examples": dict(getattr(target, "error_examples", {})),
         "lengths_matched": matched,
+        "trajectories": {"count": len(trajectories), "turns_mean": float(np.mean([c.turns for c in trajectories])),
+                         "tool_s_mean": float(np.mean([c.tool_s for c in trajectories])),
+                         "generated_tokens": sum(c.generated_len for c in trajectories)} if trajectories else None,
         "per_step": per_step,
     }
 
@@ -107,18 +112,19 @@ def summarise(records: list[StepRecord], target, expected: dict[tuple[str, int],
 def lower_bounds(records: list[StepRecord], good: list[Completion]) -> tuple[float | None, list[float | None]]:
     """The trace's lower bound of each step's makespan: its longest sample
     (of those the step waited for) at the run's fastest per-token time,
-    the smallest of the samples' mean inter-token times. A sample decodes
+    the smallest of the samples' mean inter-token times (single-turn
+    samples: a trajectory's time holds its tools'). A sample decodes
     no faster than that, so makespan / bound >= 1; what is above 1 is the
     tail's cost and the queueing (the bound is as tight as the run's
     lightest-loaded sample was fast). Returns (that time, the bounds);
     None where the target gave no first-token times."""
     times = [(c.finished_at - c.first_token_at) / (c.response_len - 1) for c in good
-             if c.response_len > 1 and c.first_token_at > 0]
+             if c.response_len > 1 and c.first_token_at > 0 and not c.turns]
     token_s = min(times) if times else None
     bounds: list[float | None] = []
     for r in records:
         waited = r.samples[:r.samples_waited] if r.samples_waited >= 0 else []
-        longest = max((c.response_len for c in waited if not _is_error(c)), default=0)
+        longest = max((c.response_len for c in waited if not _is_error(c) and not c.turns), default=0)
         bounds.append((longest - 1) * token_s if token_s and longest > 1 else None)
     return token_s, bounds
 
@@ -168,6 +174,9 @@ def markdown(doc: dict) -> str:
     rows += [("samples delivered / submitted", f"{s['samples_delivered']} / {s['samples_submitted']}"),
              ("errors by status", ", ".join(f"{k}: {v}" for k, v in s["errors"].items()) or "none"),
              ("lengths as asked", "-" if s["lengths_matched"] is None else f"{s['lengths_matched']:.1%}")]
+    t = s.get("trajectories")
+    if t:
+        rows.append(("trajectories: turns / tool wait s (mean)", f"{t['turns_mean']:.2f} / {t['tool_s_mean']:.3f}"))
     f = s.get("fleet")
     if f and f["busy_fraction"] is not None:
         rows.append(("fleet busy while generating",

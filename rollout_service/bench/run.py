@@ -88,9 +88,6 @@ def resolve_workload(opts: BenchOptions) -> Workload:
         w = w.resized(steps, None)
     else:
         w = load_workload(opts.workload, seed=opts.seed, steps=steps, groups_per_step=groups)
-    if w.multi_turn:
-        raise ValueError(f"--workload {opts.workload} is multi-turn: bench replays single-turn workloads "
-                         "(a trace's tool turns need the service's trajectory environment; see docs/multi_turn.md)")
     return scaled(w, scale)
 
 
@@ -111,7 +108,7 @@ def fit_context(w: Workload, max_model_len: int) -> tuple[Workload, int]:
             room = max(1, max_model_len - prompt - 1)
             lens = [min(L, room) for L in g.output_lens]
             cut += sum(a != b for a, b in zip(lens, g.output_lens)) + (prompt != g.prompt_len) * len(lens)
-            out.append(GroupShape(prompt, lens, g.prompt_token_ids, g.problem, None, g.prompt_text))
+            out.append(GroupShape(prompt, lens, g.prompt_token_ids, g.problem, g.trajectories, g.prompt_text))
         steps.append(out)
     fitted = Workload(w.name, steps, min(w.max_tokens, max_model_len - 1), w.source, w.length_scale,
                       dict(w.params), w.vocab_size)
@@ -186,6 +183,9 @@ async def run_bench(opts: BenchOptions, out=sys.stdout) -> dict:
     if opts.push_bytes and (kind != "grpc" or opts.mode != "closed"):
         raise ValueError("--push-bytes needs a grpc:// target in the closed loop (the weight route is rollout.v1's)")
     w = resolve_workload(opts)
+    if w.multi_turn and kind != "grpc":
+        raise ValueError(f"--workload {opts.workload} is multi-turn: it replays over grpc:// only (the bench answers "
+                         "each turn through the trajectory API; an OpenAI-compatible server has none)")
     exact = opts.lengths == "trace" and w.params.get("lengths") != "free"
     if exact:
         # Every sample asks for its own length, the trace's truncated ones included.
@@ -202,6 +202,7 @@ async def run_bench(opts: BenchOptions, out=sys.stdout) -> dict:
                                                    request_timeout_s=opts.request_timeout_s)
         model, max_len = info["id"], opts.max_model_len or info["max_model_len"]
     vocab = opts.vocab_size or w.vocab_size or DEFAULT_VOCAB
+    target.vocab_size = vocab  # multi-turn: the observations' ids
     run_id = f"bench-{uuid.uuid4().hex[:8]}"
     counted = _Counted(target)
     t0 = time.monotonic()

@@ -24,7 +24,7 @@ from typing import AsyncIterator
 
 import numpy as np
 
-from rollout_service.bench.driver import Completion, GroupRequest
+from rollout_service.bench.driver import Completion, GroupRequest, observation_ids
 from rollout_service.core.clock import Clock
 
 FINISH = {1: "stop", 2: "length", 3: "aborted"}
@@ -70,9 +70,11 @@ def completion(sample, prompt_len: int, keep_tokens: bool) -> Completion:
         min_version=sample.versions.min_version if hasattr(sample.versions, "min_version") else sample.min_version,
         max_version=sample.versions.max_version if hasattr(sample.versions, "max_version") else sample.max_version,
         tokens_by_version=_tokens_by_version(sample.versions),
-        generated_len=sum(mask) if mask else -1,
+        generated_len=sum(mask) if mask else (sum(t.length for t in turns if t.kind == "generated") if turns else -1),
         turns=sum(1 for t in turns if t.kind == "generated"),
-        tool_s=sum(t.tool_s for t in turns if t.kind == "observation"),
+        # The core's Turn says tool_s, the client's tool_seconds.
+        tool_s=sum(getattr(t, "tool_s", None) or getattr(t, "tool_seconds", 0.0) for t in turns
+                   if t.kind == "observation"),
     )
 
 
@@ -93,7 +95,12 @@ class GrpcTarget:
     each sample within those bounds. `push_bytes`: the size of the tensor a
     weight push sends (0: the load tests' 64-byte dummy). `hints`: send the
     per-sample lengths as the simulated engines' hint (off when the model
-    decides the lengths)."""
+    decides the lengths).
+
+    Multi-turn groups are trajectories this target drives as a trainer's
+    environment would: at each turn event it waits the trace's tool latency,
+    then answers with the traced number of observation tokens (ids in
+    [3, `vocab_size`)), or ends the trajectory after its last traced turn."""
 
     streams_tokens = False  # TTFT and inter-token latency from the service's timestamps
 
@@ -110,17 +117,30 @@ class GrpcTarget:
         self._clock = Clock()
         self._errors: asyncio.Queue[Completion] = asyncio.Queue()
         self.error_examples: dict[str, str] = {}  # status -> the first error's details
+        self.vocab_size = 64  # observation ids of multi-turn replays come from [3, vocab_size)
+        self._trajectories: dict[str, GroupRequest] = {}  # multi-turn group id -> its request
+        self._open: dict[str, int] = {}  # multi-turn group id -> trajectories not ended
+        self._tools: set[asyncio.Task] = set()  # tool calls being replayed
 
     async def submit(self, groups: list[GroupRequest]) -> None:
         import grpc
 
         from trainer_client import PromptGroup
 
-        if any(g.trajectories for g in groups):
-            raise ValueError("multi-turn workloads replay in process (--clock virtual); over gRPC the trace "
-                             "environment would have to be configured in the service")
+        from trainer_client import MultiTurn
+
         pgs = []
         for g in groups:
+            if g.trajectories:
+                # A turn's budget; the per-turn lengths reach simulated engines as their hint.
+                self._trajectories[g.group_id] = g
+                self._open[g.group_id] = g.num_samples
+                pgs.append(PromptGroup(prompt_token_ids=g.prompt_token_ids or None, prompt_text=g.prompt_text,
+                                       num_samples=g.num_samples, max_tokens=g.max_tokens,
+                                       temperature=g.temperature, group_id=g.group_id,
+                                       multi_turn=MultiTurn(max_turns=g.max_turns),
+                                       metadata=g.metadata() if self.hints else {}))
+                continue
             lengths = g.target_lengths if self.exact_lengths and g.target_lengths else None
             pgs.append(PromptGroup(prompt_token_ids=g.prompt_token_ids or None, prompt_text=g.prompt_text,
                                    num_samples=g.num_samples, max_tokens=max(lengths) if lengths else g.max_tokens,
@@ -154,12 +174,47 @@ class GrpcTarget:
                     except StopAsyncIteration:
                         return
                     pending = asyncio.ensure_future(stream.__anext__())
+                    if s.awaiting_observation:
+                        task = asyncio.ensure_future(self._tool(s))
+                        self._tools.add(task)
+                        task.add_done_callback(self._tools.discard)
+                        continue
+                    self._trajectory_ended(s.group_id)
                     yield completion(s, len(s.prompt_token_ids), self.keep_tokens)
         finally:
+            for task in list(self._tools):
+                task.cancel()
             pending.cancel()
             with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
                 await pending
             await stream.aclose()
+
+    def _trajectory_ended(self, group_id: str) -> None:
+        if group_id in self._open:
+            self._open[group_id] -= 1
+            if not self._open[group_id]:
+                del self._open[group_id], self._trajectories[group_id]
+
+    async def _tool(self, event) -> None:
+        """Answer a turn event as the trace's tool did: after its latency,
+        its observation's length, or the end after the last traced turn. A
+        refused answer shows on the trajectory's sample (it ends aborted)."""
+        import grpc
+
+        g = self._trajectories.get(event.group_id)
+        turn = event.turn_index
+        shape = g.trajectories[event.index] if g is not None and event.index < len(g.trajectories) else None
+        try:
+            if shape is None or turn >= len(shape.turn_lens) - 1:
+                await self.client.continue_trajectory(event.sample_id, turn, done=True)
+                return
+            if turn < len(shape.tool_s) and shape.tool_s[turn] > 0:
+                await asyncio.sleep(shape.tool_s[turn])
+            n = shape.observation_lens[turn] if turn < len(shape.observation_lens) else 0
+            await self.client.continue_trajectory(event.sample_id, turn,
+                                                  observation_ids(event.sample_id, turn, n, self.vocab_size))
+        except grpc.aio.AioRpcError as exc:
+            self.error_examples.setdefault(exc.code().name, (exc.details() or "")[:200])
 
     async def push_weights(self, version: int) -> None:
         if self.weights_file:
