@@ -382,6 +382,9 @@ class HttpTarget:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
+HTTP_KEEPALIVE_S = 2.0
+
+
 async def connect_http(base_url: str, token: str | None, tls_ca_file: str | None, timeout_s: float,
                        **target_kw) -> tuple[object, dict, HttpTarget]:
     """An aiohttp session on `base_url` whose `/v1/models` answered, the
@@ -391,7 +394,12 @@ async def connect_http(base_url: str, token: str | None, tls_ca_file: str | None
 
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     ssl_ctx = ssl.create_default_context(cafile=tls_ca_file) if tls_ca_file else None
-    connector = aiohttp.TCPConnector(limit=0, ssl=ssl_ctx if ssl_ctx is not None else True)
+    # An idle connection is dropped before the server's keep-alive ends
+    # (uvicorn's, under vllm serve, is 5 s): a request sent on one the server
+    # is closing fails "Server disconnected", a race of the bench, not an
+    # error of the target.
+    connector = aiohttp.TCPConnector(limit=0, ssl=ssl_ctx if ssl_ctx is not None else True,
+                                     keepalive_timeout=HTTP_KEEPALIVE_S)
     session = aiohttp.ClientSession(headers=headers, connector=connector,
                                     timeout=aiohttp.ClientTimeout(total=None, sock_connect=timeout_s))
     models_url = base_url.rstrip("/") + "/v1/models"
