@@ -6,6 +6,7 @@
     [engine.vllm_args]   extra keyword arguments for vLLM's engine
     [engine.spec]        speculative decoding (rollout_service.engines.spec_config.SpecConfig)
     [engine.ray]         the fleet on a Ray cluster (with engine.placement_backend = "ray")
+    [engine.process]     engines in host processes of this machine (placement_backend = "process")
     [environments.NAME]  what multi-turn trajectories' tool calls go to (rollout_service.environments)
 
 Any field can be set from the command line with `--set engine.num_engines=4`.
@@ -27,6 +28,7 @@ from rollout_service.environments import check_environments
 from rollout_service.partial.carry_over import CarryOverConfig
 from rollout_service.scheduling.rebalancer import RebalanceConfig
 
+PLACEMENT_BACKENDS = ("local", "process", "ray")  # engine.placement_backend: where the engines run
 COLLECTIVE_RECEIVE = ("staged", "direct")  # engine.collective_receive: how a gloo engine receives a collective push
 
 
@@ -41,6 +43,15 @@ class RayConfig:
     engines_per_actor: int = 1  # engines hosted by one actor process (>1 only for CPU or simulated fleets)
     object_store_gb: float = 0.0  # object store of a Ray started here ("local"); 0 = Ray's default
     heartbeat_s: float = 0.25  # an idle actor reports its engines' load this often
+
+
+@dataclass(slots=True)
+class ProcessConfig:
+    """Engines in host processes of this machine (rollout_service.engines.proc_fleet)."""
+
+    engines_per_host: int = 8  # engines (and their output processing) per host process
+    heartbeat_s: float = 0.25  # an idle host reports its engines' load this often
+    batch_ms: float = 0.0  # a host's news waits at most this long for more to join its batch
 
 
 @dataclass(slots=True)
@@ -61,8 +72,10 @@ class EngineConfig:
     # Speculative decoding (method off | draft_model | eagle | ngram | siblings;
     # "tune"/"train" switch on the depth tuner and the online drafter trainer).
     spec: SpecConfig = field(default_factory=SpecConfig)
-    # "local": engines run under this process; "ray": each engine runs in a
-    # Ray actor placed across the cluster's nodes ([engine.ray]).
+    # "local": engines run in this process; "process": in host processes of
+    # this machine, their output processing off the server's event loop
+    # ([engine.process]); "ray": each engine runs in a Ray actor placed
+    # across the cluster's nodes ([engine.ray]).
     placement_backend: str = "local"
     # How a vLLM CPU (gloo) engine receives a collective push: "staged" on a
     # worker thread while it generates, pausing only to load the weights (a
@@ -71,10 +84,15 @@ class EngineConfig:
     # transfer). GPU (nccl) engines always receive directly.
     collective_receive: str = "staged"  # one of COLLECTIVE_RECEIVE
     ray: RayConfig = field(default_factory=RayConfig)
+    process: ProcessConfig = field(default_factory=ProcessConfig)
 
     def __post_init__(self) -> None:
         if not isinstance(self.spec, SpecConfig):  # a table given whole, e.g. EngineConfig(spec={...})
             self.spec = SpecConfig.from_dict(self.spec)
+        if isinstance(self.ray, dict):
+            self.ray = RayConfig(**self.ray)
+        if isinstance(self.process, dict):
+            self.process = ProcessConfig(**self.process)
 
 
 @dataclass(slots=True)

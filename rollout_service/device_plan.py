@@ -210,7 +210,7 @@ def plan_fleet(cfg: EngineConfig, platform: Platform, model: str = "", max_model
         warnings.append("engine.kv_cache_gib applies on the CPU platform only; on GPUs the KV cache is what "
                         "engine.gpu_memory_utilization leaves after the weights")
     max_seqs = max_seqs_for(cfg, name)
-    binds = cpu_binds(cfg.num_engines) if name == "cpu" and cfg.placement_backend == "local" else None
+    binds = cpu_binds(cfg.num_engines) if name == "cpu" and cfg.placement_backend != "ray" else None
     engines: list[EnginePlan] = []
     for i in range(cfg.num_engines):
         args = engine_args(name, model, max_seqs=max_seqs, max_model_len=max_model_len, seed=i,

@@ -7,7 +7,7 @@ import logging
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from rollout_service.config import COLLECTIVE_RECEIVE, EngineConfig
+from rollout_service.config import COLLECTIVE_RECEIVE, PLACEMENT_BACKENDS, EngineConfig
 from rollout_service.device_plan import FleetPlan, Platform, max_seqs_for, plan_fleet
 from rollout_service.engines.base import Engine
 from rollout_service.engines.sim import SimEngine, SimParams
@@ -88,8 +88,9 @@ def fleet_plan(cfg: EngineConfig, info: ModelInfo, platform: Platform | None = N
     """The device plan of the fleet (`device_plan`) on `platform` (default:
     this machine, or for a Ray fleet its GPU bundles); PlanError if it does
     not fit."""
-    if cfg.placement_backend not in ("local", "ray"):
-        raise ValueError(f"engine.placement_backend must be 'local' or 'ray', got {cfg.placement_backend!r}")
+    if cfg.placement_backend not in PLACEMENT_BACKENDS:
+        raise ValueError(f"engine.placement_backend must be one of {', '.join(PLACEMENT_BACKENDS)}, "
+                         f"got {cfg.placement_backend!r}")
     if platform is None:
         platform = Platform("cpu") if cfg.kind == "sim" or (
             cfg.placement_backend == "ray" and cfg.ray.gpus_per_engine) else Platform.detect()
@@ -97,8 +98,9 @@ def fleet_plan(cfg: EngineConfig, info: ModelInfo, platform: Platform | None = N
 
 
 def make_engines(cfg: EngineConfig, info: ModelInfo, plan: FleetPlan | None = None) -> list[Engine]:
-    """The fleet: engines in this process, or (`placement_backend = "ray"`)
-    the same engines in Ray actors behind `RayEngine` proxies."""
+    """The fleet: engines in this process, or the same engines in host
+    processes (`placement_backend = "process"`) or Ray actors ("ray")
+    behind proxies."""
     if cfg.collective_receive not in COLLECTIVE_RECEIVE:
         raise ValueError(f"engine.collective_receive must be one of {', '.join(COLLECTIVE_RECEIVE)}, "
                          f"got {cfg.collective_receive!r}")
@@ -111,6 +113,11 @@ def make_engines(cfg: EngineConfig, info: ModelInfo, plan: FleetPlan | None = No
         return make_ray_engines(factories, address=r.address, strategy=r.strategy, cpus_per_engine=r.cpus_per_engine,
                                 gpus_per_engine=r.gpus_per_engine, engines_per_actor=r.engines_per_actor,
                                 object_store_gb=r.object_store_gb, heartbeat_s=r.heartbeat_s)
+    if cfg.placement_backend == "process":
+        from rollout_service.engines.proc_fleet import make_process_engines
+
+        return make_process_engines(factories, engines_per_host=cfg.process.engines_per_host,
+                                    heartbeat_s=cfg.process.heartbeat_s, batch_ms=cfg.process.batch_ms)
     return [make() for _, make in factories]
 
 

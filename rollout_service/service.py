@@ -100,8 +100,8 @@ class RolloutService:
             environments=self.environments.by_name,
             affinity=cfg.session_affinity,
         )
-        if cfg.engine.placement_backend == "ray":
-            from rollout_service.engines.ray_fleet import bind_counters
+        if cfg.engine.placement_backend != "local":
+            from rollout_service.engines.hosted import bind_counters
 
             bind_counters(engines, self.core.counters)
         if cfg.state_dir and self.core.open_state(cfg.state_dir, cfg.journal_commit_ms / 1000, convert.WIRE_SAMPLES):

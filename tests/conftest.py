@@ -73,6 +73,9 @@ SLOW = {
         "~6 s: a real-time load-test run",
     "test_load_tests.py::test_predict_prices_a_verified_draft_token_as_one_more_sequence": "~5 s: load-test runs",
     "test_selftest.py::test_selftest_for_a_platform_this_machine_lacks_fails_naming_it": "~8 s: imports vLLM",
+    "test_process_hosts.py::test_engines_in_hosts_serve_push_weights_and_survive_a_killed_host":
+        "~6 s: 128 samples of up to 300 one-token steps, a host killed and started again",
+    "test_process_hosts.py::test_a_killed_server_leaves_no_host_behind": "~3 s: a server started as a subprocess",
     "test_crash_restart.py::test_chaos_five_sigkills_in_a_closed_loop_of_1000_groups_lose_and_repeat_nothing":
         "~40-60 s: 1,000 groups, a server started six times as a subprocess",
     "test_crash_restart.py::test_sigkill_with_state_dir_delivers_every_sample_once_under_its_cursor":

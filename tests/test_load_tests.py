@@ -997,13 +997,15 @@ def test_the_drafter_capacity_study_refuses_a_malformed_grid(capsys):
         assert "--grid:" in capsys.readouterr().err
 
 
-def test_the_relay_capacity_benchmark_relays_every_generated_token(tmp_path, capsys):
+@pytest.mark.parametrize("backend", ["local", "process"])
+def test_the_relay_capacity_benchmark_relays_every_generated_token(tmp_path, capsys, backend):
     """`relay_capacity --quick` starts the service in a process of its own,
-    relays every token the simulated engines generate to the client, and
-    reports each figure of its table (and the same rows as JSON)."""
+    relays every token the simulated engines generate (in the server's
+    process, or in host processes whose CPU it counts apart) to the client,
+    and reports each figure of its table (and the same rows as JSON)."""
     from load_tests.relay_capacity import main as relay
 
-    rows = relay(["--quick", "--report", str(tmp_path)])
+    rows = relay(["--quick", "--backend", backend, "--engines-per-host", "1", "--report", str(tmp_path)])
     assert rows == json.loads((tmp_path / "relay_capacity.json").read_text())
     [row] = rows
     assert row["samples"] == 2 * 4 * 2
@@ -1012,4 +1014,8 @@ def test_the_relay_capacity_benchmark_relays_every_generated_token(tmp_path, cap
                 "server_ms_per_sample", "sim_cpu_s", "lag_p50_ms", "lag_p99_ms", "lag_max_ms"):
         assert row[key] is not None and row[key] >= 0, key
     assert row["server_us_per_token_excl_sim"] is not None
+    if backend == "process":  # the simulator runs in the hosts, whose CPU is reported apart
+        assert row["sim_cpu_s"] == 0 and row["host_cores"] > 0
+    else:
+        assert row["sim_cpu_s"] > 0 and row["host_cores"] is None
     assert "relayed tok/s" in capsys.readouterr().out

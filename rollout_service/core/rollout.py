@@ -492,7 +492,7 @@ class RolloutCore:
         try:
             deltas = engine.add(self.trajectories.clamp(req.engine_request()))
             if isinstance(deltas, DeltaStream):
-                finish = await self._follow(req, deltas, superseded)
+                finish = await self._follow(req, deltas, superseded, attempt, engine.engine_id)
             else:
                 async for delta in deltas:
                     if superseded():
@@ -542,11 +542,13 @@ class RolloutCore:
                 req.group.listener.put_nowait(DeltaEvent(req.index, delta))
             self.counters["tokens_generated"] += len(delta.token_ids)
 
-    def _follow(self, req: Request, deltas: DeltaStream, superseded: Callable[[], bool]) -> asyncio.Future:
+    def _follow(self, req: Request, deltas: DeltaStream, superseded: Callable[[], bool], attempt: int,
+                engine_id: str) -> asyncio.Future:
         """Take an attempt's deltas in its engine's step (a sink, no task
         switch per delta); the future resolves with the finish reason, None
         once the attempt is superseded, or the engine's error."""
         over = asyncio.get_running_loop().create_future()
+        counters = self.counters
 
         def sink(delta: TokenDelta) -> None:
             if over.done():
@@ -558,11 +560,27 @@ class RolloutCore:
             if delta.finish_reason is not None:
                 over.set_result(delta.finish_reason)
 
+        def tokens(token_ids: list[int], logprobs: list[float], version: int) -> None:
+            # `sink` of a delta of tokens only, without building it: the hot
+            # path of a fleet whose engines step every sequence every step.
+            if req.attempt != attempt or req.engine_id != engine_id or over.done() or not req.first_token_at:
+                sink(TokenDelta(token_ids, logprobs, version))
+                return
+            req.token_ids += token_ids
+            req.logprobs += logprobs
+            segments = req.versions.segments
+            if segments and segments[-1][0] == version:
+                segments[-1][2] += len(token_ids)
+            else:
+                req.versions.append(version, len(token_ids))
+            counters["tokens_generated"] += len(token_ids)
+
         def failed(exc: BaseException) -> None:
             if not over.done():
                 over.set_exception(exc)
 
-        deltas.attach(sink, failed)
+        # A private group's listener gets every delta: no token sink.
+        deltas.attach(sink, failed, tokens if req.group.listener is None else None)
         return over
 
     def _release(self, req: Request) -> None:

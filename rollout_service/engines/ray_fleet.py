@@ -113,17 +113,6 @@ class RayFleet:
             ray.shutdown()
 
 
-def bind_counters(engines, counters: Counter) -> None:
-    """Count Ray hops and actor deaths in `counters` (the core's, so they
-    show in Status and /metrics)."""
-    for engine in engines:
-        if isinstance(engine, RayEngine) and engine.host.fleet.stats is not counters:
-            fleet = engine.host.fleet
-            counters.update(fleet.stats)
-            fleet.stats.clear()
-            fleet.stats = counters
-
-
 def connect(address: str, object_store_gb: float = 0.0) -> bool:
     """Join a Ray cluster ("auto": the one this node belongs to; "" starts a
     local one). Returns whether this call started Ray (and must stop it)."""

@@ -1,17 +1,23 @@
-"""The actor side of the Ray fleet: `EngineHost` runs inside a Ray actor
-process, hosts one or more real engines (a `VllmEngine` or a `SimEngine`,
-unchanged) and multiplexes what they produce onto one event stream.
+"""The host side of engines in other processes: `EngineHost` runs inside a
+Ray actor or a local host process (`proc_fleet`), hosts one or more real
+engines (a `VllmEngine` or a `SimEngine`, unchanged) and multiplexes what
+they produce onto one event stream.
 
-What crosses to the server (`ray_proxy`) is typed: an `EventBatch` per
-stream item, holding load snapshots, `StreamEvent`s (token deltas, stream
-ends, errors) and speculation snapshots. Weights arrive through Ray's object
-store and are staged once per actor and version as a safetensors file in the
-node's /dev/shm.
+What crosses to the server (`hosted`) is typed: an `EventBatch` per stream
+item, holding load snapshots, stream events (token deltas, stream ends,
+errors) and speculation snapshots. Deltas of tokens only that share a
+version travel as one `DeltaRun` of arrays, gathered per stream, not an
+object each: an engine that steps every sequence every step sends one token
+per sequence per step, and a server that falls behind gets several per
+stream in one. Weights arrive through Ray's object store and are staged once per
+actor and version as a safetensors file in the node's /dev/shm; a local
+host gets the server's staged file's path.
 """
 from __future__ import annotations
 
 import asyncio
 import enum
+from array import array
 import glob
 import logging
 import os
@@ -21,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Mapping
 
 from rollout_service.engines.base import Engine
+from rollout_service.engines.stream import DeltaStream
 from rollout_service.engines.spec_monitor import SpecSnapshot
 from rollout_service.engines.types import EngineDescription, EngineLoad, EngineRequest, EngineState, TokenDelta
 from rollout_service.engines.weights import StagedWeights, WeightTensor
@@ -47,13 +54,27 @@ class StreamEvent:
 
 
 @dataclass(slots=True)
+class DeltaRun:
+    """Deltas of tokens and nothing else (no finish, no drafts, no
+    alternatives) of several streams, all sampled by `version`, gathered per
+    stream: the i-th stream got the next `counts[i]` tokens of `token_ids`
+    (and `logprobs`)."""
+
+    version: int
+    stream_ids: array = field(default_factory=lambda: array("q"))
+    counts: array = field(default_factory=lambda: array("q"))
+    token_ids: array = field(default_factory=lambda: array("q"))
+    logprobs: array = field(default_factory=lambda: array("d"))
+
+
+@dataclass(slots=True)
 class EventBatch:
     """One item of an actor's event stream: per engine (incarnation, load),
     the stream events since the last batch, and speculation snapshots of
     the engines that speculate."""
 
     loads: dict[str, tuple[int, EngineLoad]]
-    events: list[StreamEvent] = field(default_factory=list)
+    events: list[StreamEvent | DeltaRun] = field(default_factory=list)
     spec: dict[str, SpecSnapshot] = field(default_factory=dict)
 
 
@@ -74,12 +95,16 @@ class EngineHost:
     `factories` maps engine ids to zero-argument callables that build the
     engines (pickled by reference: `functools.partial(SimEngine, ...)`)."""
 
-    def __init__(self, factories: Mapping[str, Callable[[], Engine]], heartbeat_s: float = 0.25) -> None:
+    def __init__(self, factories: Mapping[str, Callable[[], Engine]], heartbeat_s: float = 0.25,
+                 batch_s: float = 0.0) -> None:
         self.engines: dict[str, Engine] = {eid: make() for eid, make in factories.items()}
         self.incarnation: Counter[str] = Counter()  # bumped at every start of an engine
         self.heartbeat_s = heartbeat_s
+        self.batch_s = batch_s  # news waits at most this long for more to join its batch
         self._streams: dict[tuple[str, str], int] = {}  # (engine id, request id) -> stream id
-        self._events: list[StreamEvent] = []
+        self._events: list[StreamEvent | DeltaRun] = []
+        self._open_run: DeltaRun | None = None  # the last event, while tokens may join it
+        self._open_runs: list[tuple[DeltaRun, dict[int, tuple[list[int], list[float]]]]] = []
         self._wake: asyncio.Event | None = None
         self._staged: dict[str, tuple[int, StagedWeights]] = {}  # target -> (version, staged file)
         self._stage_lock: asyncio.Lock | None = None
@@ -93,6 +118,38 @@ class EngineHost:
     def _push(self, event: StreamEvent) -> None:
         self._events.append(event)
         self._event().set()
+
+    def _push_tokens(self, stream_id: int, token_ids: list[int], logprobs: list[float], version: int) -> None:
+        events = self._events
+        if not events or events[-1] is not self._open_run or self._open_run.version != version:
+            self._open_run = DeltaRun(version)
+            self._open_runs.append((self._open_run, {}))
+            events.append(self._open_run)
+            self._event().set()
+        gathered = self._open_runs[-1][1]
+        known = gathered.get(stream_id)
+        if known is None:
+            gathered[stream_id] = (list(token_ids), list(logprobs))
+        else:
+            known[0].extend(token_ids)
+            known[1].extend(logprobs)
+
+    def _close_runs(self) -> None:
+        """Lay the gathered tokens of this batch's runs out as arrays."""
+        for run, gathered in self._open_runs:
+            for stream_id, (token_ids, logprobs) in gathered.items():
+                run.stream_ids.append(stream_id)
+                run.counts.append(len(token_ids))
+                run.token_ids.extend(token_ids)
+                run.logprobs.extend(logprobs)
+        self._open_runs = []
+        self._open_run = None
+
+    def _push_delta(self, stream_id: int, d: TokenDelta) -> None:
+        if d.finish_reason is None and not d.draft_tokens and not d.accepted_tokens and d.top_logprobs is None:
+            self._push_tokens(stream_id, d.token_ids, d.logprobs, d.version)
+        else:
+            self._push(StreamEvent(stream_id, EventKind.DELTA, delta=d))
 
     async def info(self) -> dict[str, Any]:
         import ray
@@ -118,7 +175,32 @@ class EngineHost:
             self._push(StreamEvent(stream_id, EventKind.ERROR, error=f"{type(exc).__name__}: {exc}"))
             return
         self._streams[key] = stream_id
-        asyncio.get_running_loop().create_task(self._forward(key, stream_id, deltas))
+        if isinstance(deltas, DeltaStream):
+            self._attach(key, stream_id, deltas)
+        else:
+            asyncio.get_running_loop().create_task(self._forward(key, stream_id, deltas))
+
+    def _attach(self, key: tuple[str, str], stream_id: int, deltas: DeltaStream) -> None:
+        """Take the stream's deltas in its engine's step (no task per request)."""
+        streams = self._streams
+
+        def sink(d: TokenDelta) -> None:
+            if streams.get(key) != stream_id:
+                return  # aborted: the server took the partial
+            self._push_delta(stream_id, d)
+            if d.finish_reason is not None:
+                del streams[key]
+
+        def tokens(token_ids: list[int], logprobs: list[float], version: int) -> None:
+            if streams.get(key) == stream_id:
+                self._push_tokens(stream_id, token_ids, logprobs, version)
+
+        def failed(exc: BaseException) -> None:
+            if streams.get(key) == stream_id:
+                del streams[key]
+                self._push(StreamEvent(stream_id, EventKind.ERROR, error=f"{type(exc).__name__}: {exc}"))
+
+        deltas.attach(sink, failed, tokens)
 
     async def _forward(self, key: tuple[str, str], stream_id: int, deltas: AsyncIterator[TokenDelta]) -> None:
         # Consume to the end even after an abort (the engine ends the stream);
@@ -126,7 +208,7 @@ class EngineHost:
         try:
             async for d in deltas:
                 if self._streams.get(key) == stream_id:
-                    self._push(StreamEvent(stream_id, EventKind.DELTA, delta=d))
+                    self._push_delta(stream_id, d)
         except Exception as exc:
             if self._streams.get(key) == stream_id:
                 self._push(StreamEvent(stream_id, EventKind.ERROR, error=f"{type(exc).__name__}: {exc}"))
@@ -143,23 +225,30 @@ class EngineHost:
         return p.token_ids, p.logprobs, p.versions
 
     async def events(self):
-        """The actor's one stream of `EventBatch`es: a batch as soon as there
-        is news, else every `heartbeat_s` (load snapshots)."""
+        """The host's one stream of `EventBatch`es: a batch `batch_s` after
+        the first news (as soon as there is news, at 0), else every
+        `heartbeat_s` (load snapshots)."""
         wake = self._event()
         while True:
             try:
                 await asyncio.wait_for(wake.wait(), self.heartbeat_s)
             except asyncio.TimeoutError:
                 pass
+            if self.batch_s > 0 and self._events:
+                await asyncio.sleep(self.batch_s)
             wake.clear()
+            self._close_runs()
             events, self._events = self._events, []
             loads = {eid: (self.incarnation[eid], e.load()) for eid, e in self.engines.items()}
             spec = {eid: e.speculation.monitor.to_snapshot()
                     for eid, e in self.engines.items() if e.speculation is not None}
             yield EventBatch(loads, events, spec)
 
-    async def _stage(self, target: str, version: int, payload: list) -> tuple[StagedWeights, float]:
-        """One staged file per actor and version, shared by its engines."""
+    async def _stage(self, target: str, version: int, payload: list | str) -> tuple[StagedWeights, float]:
+        """One staged file per actor and version, shared by its engines (a
+        local host is given the server's staged file: `payload` its path)."""
+        if isinstance(payload, str):
+            return StagedWeights([], source_path=payload), 0.0
         if self._stage_lock is None:
             self._stage_lock = asyncio.Lock()
         async with self._stage_lock:
@@ -176,10 +265,11 @@ class EngineHost:
             self._staged[target] = (version, staged)
             return staged, time.perf_counter() - t0
 
-    async def update_weights(self, engine_id: str, version: int, payload: list,
+    async def update_weights(self, engine_id: str, version: int, payload: list | str,
                              target: str = "policy") -> WeightsApplied:
         """`payload` is the pushed tensors, resolved from the object store by
-        Ray before the call runs: [(name, dtype, shape, uint8 array)].
+        Ray before the call runs: [(name, dtype, shape, uint8 array)]; or,
+        in a local host, the path of the server's staged file.
         `target` "draft" applies them to the engine's draft model."""
         staged, stage_s = await self._stage(target, version, payload)
         del payload
@@ -213,7 +303,7 @@ class EngineHost:
         await engine.finish_received_weights(version)
         return WeightsApplied(0.0, time.perf_counter() - t0, self.incarnation[engine_id], engine.load())
 
-    async def abandon_received_weights(self, engine_id: str, version: int, payload: list | None) -> None:
+    async def abandon_received_weights(self, engine_id: str, version: int, payload: list | str | None) -> None:
         """Put the serving weights (`payload`, resolved by Ray; None: the
         model's own files) back after a failed receive."""
         fallback = (await self._stage("policy", version, payload))[0] if payload is not None else None

@@ -8,29 +8,20 @@ of every engine of an actor comes back on that actor's single streaming
 generator (`EngineHost.events`), whose batches coalesce under load (the
 generator is back-pressured to one batch in flight). `load()` reads the
 snapshot the last batch carried: cheap and non-blocking. `abort` and weight
-updates are one awaited call each.
+updates are one awaited call each. What is not Ray's (the streams, the
+engine proxy) is shared with local host processes (`hosted`).
 """
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import logging
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable
 
-from rollout_proto.devices import RankDevice
 from rollout_service.engines.base import Engine, EngineError
-from rollout_service.engines.ray_host import EngineHost, EventBatch, EventKind, WeightsApplied
-from rollout_service.engines.spec_monitor import SpecMonitor, SpecSnapshot
-from rollout_service.engines.speculation import MonitoredSpeculation
-from rollout_service.engines.types import (
-    EngineDescription,
-    EngineLoad,
-    EngineRequest,
-    EngineState,
-    PartialResponse,
-    TokenDelta,
-)
+from rollout_service.engines.hosted import HostedEngine, HostLink
+from rollout_service.engines.ray_host import EngineHost
+from rollout_service.engines.types import EngineRequest
 from rollout_service.engines.weights import StagedWeights
 
 if TYPE_CHECKING:
@@ -53,28 +44,30 @@ def _remote_host_class():
     return ray.remote(max_restarts=0, max_task_retries=0)(EngineHost)
 
 
-class RayHost:
+class RayHost(HostLink):
     """The server's side of one `EngineHost` actor: spawns it in its bundle,
     reads its event stream, routes deltas to the engines' open streams."""
 
+    BATCHES, EVENTS, CALLS, DEATHS = "ray_stream_items", "ray_events", "ray_calls", "ray_actor_deaths"
+
     def __init__(self, fleet: "RayFleet", bundle_index: int, factories: dict[str, Callable[[], Engine]],
                  actor_options: dict[str, Any], heartbeat_s: float) -> None:
+        super().__init__()
         self.fleet = fleet
         self.bundle_index = bundle_index
         self.factories = factories
         self.actor_options = actor_options
         self.heartbeat_s = heartbeat_s
-        self.engines: dict[str, RayEngine] = {}
         self.actor = None
-        self.alive = False
         self.generation = 0
-        self.info: dict[str, Any] = {}
-        self._streams: dict[int, asyncio.Queue] = {}
-        self._next_stream = 0
         self._lock: asyncio.Lock | None = None
         self._pump: asyncio.Task | None = None
         self._closed = 0
         fleet.add_host(self)
+
+    @property
+    def stats(self):
+        return self.fleet.stats
 
     async def ensure(self) -> None:
         """Make sure the actor runs (a new one in the same bundle if it died)."""
@@ -120,49 +113,20 @@ class RayHost:
             stream = actor.events.options(num_returns="streaming", _generator_backpressure_num_objects=1).remote()
             stats["ray_calls"] += 1
             async for ref in stream:
-                batch: EventBatch = await ref
-                stats["ray_stream_items"] += 1
-                stats["ray_events"] += len(batch.events)
-                for eid, (incarnation, load) in batch.loads.items():
-                    self.engines[eid]._snapshot(incarnation, load, batch.spec.get(eid))
-                streams = self._streams
-                for ev in batch.events:
-                    queue = streams.get(ev.stream_id)
-                    if queue is None:
-                        continue  # aborted: the server already took the partial
-                    if ev.kind == EventKind.DELTA:
-                        queue.put_nowait(ev.delta)
-                    elif ev.kind == EventKind.END:
-                        queue.put_nowait(None)
-                    else:
-                        queue.put_nowait(EngineError(ev.error))
+                self.dispatch(await ref)
             raise EngineError("the actor's event stream ended")
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
             if generation == self.generation and self.alive:
-                self._died(exc)
+                self.died("Ray actor", exc)
 
-    def _died(self, exc: BaseException) -> None:
-        log.warning("Ray actor for %s (pid %s) died: %s: %s", ",".join(self.factories), self.info.get("pid"),
-                    type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
-        self.alive = False
-        self.fleet.stats["ray_actor_deaths"] += 1
-        error = EngineError(f"Ray actor {self.info.get('pid')} died: {type(exc).__name__}")
-        for queue in self._streams.values():
-            queue.put_nowait(error)
-        self._streams.clear()
+    def send_add(self, engine_id: str, stream_id: int, request: EngineRequest) -> None:
+        self.fleet.stats["ray_calls"] += 1
+        self.actor.add.remote(engine_id, stream_id, request)
 
-    def open_stream(self) -> tuple[int, asyncio.Queue]:
-        self._next_stream += 1
-        queue: asyncio.Queue = asyncio.Queue()
-        self._streams[self._next_stream] = queue
-        return self._next_stream, queue
-
-    def end_stream(self, stream_id: int) -> None:
-        queue = self._streams.pop(stream_id, None)
-        if queue is not None:
-            queue.put_nowait(None)
+    async def weights_payload(self, weights: StagedWeights):
+        return await self.fleet.weights_ref(weights)
 
     async def call(self, method: str, *args) -> Any:
         """One awaited actor call; a dead actor is an EngineError."""
@@ -194,204 +158,15 @@ class RayHost:
         await self.fleet.release()
 
 
-class RayEngine:
-    """An engine protocol proxy for an engine living in a Ray actor.
+class RayEngine(HostedEngine):
+    """An engine protocol proxy for an engine living in a Ray actor."""
 
-    `template` is a never-started instance of the engine, built in the
-    server from the same factory as the actor's: it answers
-    `check_weights` and `describe` locally, and its speculation monitor
-    mirrors the actor's (`SpecMonitor.apply_snapshot`)."""
-
-    def __init__(self, engine_id: str, host: RayHost, template: Engine) -> None:
-        self.engine_id = engine_id
-        self.kind = template.kind
-        self.placement = "ray"
-        self.host = host
-        self.template = template
-        self.restarts = 0
-        self._started = False
-        self._state = EngineState.STARTING  # the server's view: starting, ready or dead (closed)
-        self._incarnation = 0
-        self._load = dataclasses.replace(template.load(), state=EngineState.STARTING)
-        self._rids: dict[str, int] = {}  # request id -> open stream id
-        self._ranks = 0  # receiving ranks of a collective transfer (the actor's engine says, at start)
-        spec = template.speculation
-        self.speculation: RaySpeculation | None = RaySpeculation(self, spec.monitor) if spec is not None else None
-        host.engines[engine_id] = self
+    placement = "ray"
 
     @property
     def actor_pid(self) -> int | None:
-        return self.host.info.get("pid") if self.host.alive else None
+        return self.host_pid
 
     @property
     def node_id(self) -> str | None:
         return self.host.info.get("node_id")
-
-    def describe(self) -> EngineDescription:
-        """The template's description, with the KV capacity the actor's
-        engine reports once started."""
-        described = self.template.describe()
-        return dataclasses.replace(described, placement="ray", kv_capacity_tokens=self._load.kv_capacity_tokens,
-                                   workers=self._ranks or described.workers)
-
-    # -- lifecycle ------------------------------------------------------------------
-
-    async def start(self) -> None:
-        if self._started:
-            self.restarts += 1
-        self._started = True
-        self._state = EngineState.STARTING
-        try:
-            await self.host.ensure()
-            incarnation, load = await self.host.call("start_engine", self.engine_id)
-        except BaseException as exc:
-            self._state = EngineState.DEAD  # the core's health watch tries again
-            if isinstance(exc, Exception) and not isinstance(exc, EngineError):
-                raise EngineError(f"engine {self.engine_id}: {type(exc).__name__}: {str(exc).splitlines()[0]}") from exc
-            raise
-        self._incarnation, self._load = incarnation, load
-        try:
-            self._ranks = int(await self.host.call("transfer_ranks", self.engine_id))
-        except EngineError as exc:
-            log.warning("engine %s cannot say its transfer ranks (%s): it stays out of collective pushes",
-                        self.engine_id, exc)
-            self._ranks = 0
-        self._state = EngineState.READY
-        if self.speculation is not None:
-            await self.speculation.restore()
-
-    async def close(self) -> None:
-        if self._state == EngineState.DEAD:
-            return
-        self._state = EngineState.DEAD
-        await self.host.close_engine(self.engine_id)
-
-    def _snapshot(self, incarnation: int, load: EngineLoad, spec: SpecSnapshot | None) -> None:
-        if incarnation < self._incarnation:
-            return  # from before the latest (re)start
-        self._incarnation, self._load = incarnation, load
-        if spec is not None and self.speculation is not None:
-            self.speculation.monitor.apply_snapshot(spec)
-
-    def load(self) -> EngineLoad:
-        """The snapshot of the actor's last batch; `dead` once the actor is."""
-        load = self._load
-        if self._state == EngineState.READY:
-            if self.host.alive:
-                return load  # the engine's own state (a vLLM engine core may have died)
-            state = EngineState.DEAD
-        else:
-            state = self._state
-        return load if load.state == state else dataclasses.replace(load, state=state)
-
-    # -- generation ------------------------------------------------------------------
-
-    def add(self, request: EngineRequest) -> AsyncIterator[TokenDelta]:
-        if self._state != EngineState.READY or not self.host.alive:
-            raise EngineError(f"engine {self.engine_id} is not running")
-        if request.request_id in self._rids:
-            raise EngineError(f"request {request.request_id} already running on {self.engine_id}")
-        stream_id, queue = self.host.open_stream()
-        self._rids[request.request_id] = stream_id
-        self.host.fleet.stats["ray_calls"] += 1
-        self.host.actor.add.remote(self.engine_id, stream_id, request)  # its deltas come on the event stream
-        return self._deltas(request.request_id, stream_id, queue)
-
-    async def _deltas(self, request_id: str, stream_id: int, queue: asyncio.Queue) -> AsyncIterator[TokenDelta]:
-        try:
-            while True:
-                item = await queue.get()
-                if item is None:
-                    return  # aborted, or the engine ended it without a finish
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finish_reason is not None:
-                    return
-        finally:
-            self.host._streams.pop(stream_id, None)
-            if self._rids.get(request_id) == stream_id:
-                del self._rids[request_id]
-
-    async def abort(self, request_id: str) -> PartialResponse:
-        stream_id = self._rids.pop(request_id, None)
-        if stream_id is None:
-            return PartialResponse([], [], [])
-        self.host.end_stream(stream_id)
-        # A dead actor raises: the core keeps the tokens it already received.
-        tokens, logprobs, versions = await self.host.call("abort", self.engine_id, request_id)
-        return PartialResponse(list(tokens), list(logprobs), list(versions))
-
-    # -- weights ---------------------------------------------------------------------
-
-    def check_weights(self, manifest: Mapping[str, tuple[str, tuple[int, ...]]]) -> None:
-        self.template.check_weights(manifest)
-
-    async def update_weights(self, version: int, weights: StagedWeights) -> None:
-        ref = await self.host.fleet.weights_ref(weights)
-        out: WeightsApplied = await self.host.call("update_weights", self.engine_id, version, ref, "policy")
-        self._snapshot(out.incarnation, out.load, None)
-        self.last_update = out
-
-    # -- collective weight transfer -------------------------------------------------
-    # The engine in the actor joins the trainer's group itself: the tensors go
-    # from the trainer's ranks to its workers, never through Ray or this
-    # process; these calls are the control plane only.
-
-    def transfer_ranks(self) -> int:
-        return self._ranks if self._state == EngineState.READY and self.host.alive else 0
-
-    async def transfer_devices(self) -> list[RankDevice]:
-        return [RankDevice.from_dict(d) for d in await self.host.call("transfer_devices", self.engine_id)]
-
-    async def init_weight_transfer(self, init) -> None:
-        await self.host.call("init_weight_transfer", self.engine_id, init)
-
-    async def receive_weights(self, version: int, specs: list) -> None:
-        await self.host.call("receive_weights", self.engine_id, version, specs)
-
-    async def finish_received_weights(self, version: int) -> None:
-        out: WeightsApplied = await self.host.call("finish_received_weights", self.engine_id, version)
-        self._snapshot(out.incarnation, out.load, None)
-        self.last_update = out
-
-    async def abandon_received_weights(self, fallback: StagedWeights | None, version: int) -> None:
-        ref = await self.host.fleet.weights_ref(fallback) if fallback is not None else None
-        await self.host.call("abandon_received_weights", self.engine_id, version, ref)
-
-    async def close_weight_transfer(self) -> None:
-        if not self.host.alive:
-            return
-        try:
-            await self.host.call("close_weight_transfer", self.engine_id)
-        except EngineError as exc:
-            log.debug("leaving the transfer group on %s: %s", self.engine_id, exc)
-
-
-class RaySpeculation(MonitoredSpeculation):
-    """Speculation of an engine in a Ray actor: calls go to the actor; the
-    monitor mirrors the actor engine's from the event stream's snapshots."""
-
-    def __init__(self, engine: RayEngine, monitor: SpecMonitor) -> None:
-        super().__init__(monitor)
-        self._engine = engine
-        self._last_draft: tuple[int, StagedWeights] | None = None
-
-    async def set_schedule(self, schedule) -> None:
-        engine = self._engine
-        await engine.host.call("set_spec_schedule", engine.engine_id, [list(e) for e in schedule])
-        self.monitor.set_schedule(schedule)
-
-    async def update_draft_weights(self, version: int, weights: StagedWeights) -> None:
-        engine = self._engine
-        if not self.has_draft_model:
-            raise EngineError(f"engine {engine.engine_id} has no draft model (spec method {self.config.method!r})")
-        ref = await engine.host.fleet.weights_ref(weights)
-        await engine.host.call("update_weights", engine.engine_id, version, ref, "draft")
-        self._last_draft = (version, weights)
-        self.monitor.draft_version = version
-
-    async def restore(self) -> None:
-        """After a (re)start in a new actor: re-apply the latest drafter."""
-        if self._last_draft is not None:
-            await self.update_draft_weights(*self._last_draft)

@@ -709,9 +709,13 @@ class SimEngine:
 
     @staticmethod
     def _deliver(out: list[tuple[_Seq, TokenDelta]]) -> None:
-        """Hand a run's deltas to their requests' streams, in one pass."""
+        """Hand a run's deltas to their requests' streams, in one pass (a
+        delta of tokens and nothing else as tokens: `DeltaStream.push_tokens`)."""
         for seq, delta in out:
-            seq.stream.push(delta)
+            if delta.finish_reason is None and not delta.draft_tokens:
+                seq.stream.push_tokens(delta.token_ids, delta.logprobs, delta.version)
+            else:
+                seq.stream.push(delta)
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
