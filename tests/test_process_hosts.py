@@ -193,3 +193,59 @@ async def test_a_vllm_engine_in_a_host_serves_the_weights_pushed_to_it(own_vllm_
     assert all(s.min_version == s.max_version == 1 and s.engines == ["vllm-0"] for s in samples)
     assert sum(len(s.response_token_ids) for s in samples) > 8 * 5
     assert max_logprob_gap(samples, vllm_model(), new) < 2e-3
+
+
+def _sim_tokens(params, request_id: str, total: int) -> tuple[list[int], list[float]]:
+    """A simulated engine's tokens and logprobs for a request: a hash of
+    (its seed, the request id, the position), the end token last."""
+    from rollout_service.engines.sim import _M64, _hash_u64, _mix64
+
+    key, tokens, logprobs = _hash_u64(params.seed, request_id), [], []
+    for pos in range(total):
+        h = _mix64((key + pos) & _M64)
+        t, lp = h % params.vocab_size, -((h >> 32) % 1000) / 250.0
+        if pos + 1 >= total:
+            t, lp = params.eos_token_id, -0.1
+        elif t == params.eos_token_id:
+            t = (t + 1) % params.vocab_size
+        tokens.append(t)
+        logprobs.append(lp)
+    return tokens, logprobs
+
+
+async def test_a_request_migrated_between_hosts_mid_batch_continues_exactly():
+    """Migration between engines in two hosts while the source host still
+    holds tokens it has not sent (50 ms batches): the abort's partial is the
+    engine's own account, so a migrated sample is exactly the source engine's
+    tokens up to the move and the target's after it, none lost or repeated."""
+    sim = dict(FAST_SIM, decode_base_s=0.005, max_run_steps=1)
+    cfg = process_config(2, 1, sim=sim)
+    cfg.engine.process.batch_ms = 50.0
+    async with running(cfg) as service:
+        core = service.core
+        params = {eid: e.template.params for eid, e in core.engines.items()}
+        async with RolloutClient(f"127.0.0.1:{service.grpc_port}", consumer_id=unique("mig")) as client:
+            prefix = unique("m")
+            await client.submit([PromptGroup(prompt_token_ids=[1, 4, i], num_samples=2, max_tokens=400,
+                                             group_id=f"{prefix}-{i}", metadata={"sim.target_lengths": "300"})
+                                 for i in range(4)])
+            await wait_until(lambda: sum(len(r.token_ids) > 40 for r, _ in core.running.values()) >= 4,
+                             30, "requests 40 tokens in")
+            for req in [r for r, _ in list(core.running.values())][:4]:
+                await core.migrate(req, "sim-1" if req.engine_id == "sim-0" else "sim-0")
+            samples = await collect(client, prefix, 8, timeout=60)
+    migrated = [s for s in samples if len(s.engines) == 2]
+    assert len(migrated) == 4 and all(s.num_migrations == 1 for s in migrated)
+    for s in samples:
+        assert len(s.response_token_ids) == 300 and sum(n for _, _, n in s.versions) == 300
+        source = _sim_tokens(params[s.engines[0]], s.sample_id, 300)
+        moved_at = next((i for i, t in enumerate(s.response_token_ids) if t != source[0][i]), 300)
+        assert s.response_token_ids[:moved_at] == source[0][:moved_at]
+        assert s.logprobs[:moved_at] == pytest.approx(source[1][:moved_at])
+        if len(s.engines) == 2:
+            target = _sim_tokens(params[s.engines[1]], s.sample_id, 300)
+            assert 40 < moved_at < 300
+            assert s.response_token_ids[moved_at:] == target[0][moved_at:]
+            assert s.logprobs[moved_at:] == pytest.approx(target[1][moved_at:])
+        else:
+            assert moved_at == 300
