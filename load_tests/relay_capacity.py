@@ -91,7 +91,8 @@ async def serve(spec: dict) -> None:
     sim = {"decode_base_s": spec["step_s"], "decode_per_seq_s": 0.0, "prefill_per_token_s": 0.0,
            "max_run_steps": 1, "weight_update_s": 0.0}
     where = {"placement_backend": spec.get("backend", "local"),
-             "process": {"engines_per_host": spec.get("engines_per_host", 8), "batch_ms": spec.get("batch_ms", 0.0)}}
+             "process": {"engines_per_host": spec.get("engines_per_host", 8), "batch_ms": spec.get("batch_ms", 0.0),
+                         "nice": spec.get("nice", 0)}}
     if spec.get("engine", "sim") == "vllm":
         engine = EngineConfig(kind="vllm", num_engines=spec["engines"], max_seqs=spec["seqs"], model=spec.get("model", ""),
                               **where)
@@ -174,7 +175,7 @@ async def _line(stream: asyncio.StreamReader, timeout: float) -> dict:
 
 async def measure(engines: int, seqs: int, tokens: int, step_s: float, waves: int, profile: str = "",
                   engine: str = "sim", model: str = "", backend: str = "local", engines_per_host: int = 8,
-                  batch_ms: float = 0.0) -> dict:
+                  batch_ms: float = 0.0, nice: int = 0) -> dict:
     """One fleet size: start a server, relay `waves` batches, return the row
     (with `profile`, the server runs under cProfile and writes its stats there)."""
     import psutil
@@ -182,7 +183,8 @@ async def measure(engines: int, seqs: int, tokens: int, step_s: float, waves: in
     from trainer_client import PromptGroup, RolloutClient
 
     spec = {"engines": engines, "seqs": seqs, "step_s": step_s, "profile": profile, "engine": engine, "model": model,
-            "backend": backend, "engines_per_host": engines_per_host, "batch_ms": batch_ms}
+            "backend": backend, "engines_per_host": engines_per_host, "batch_ms": batch_ms,
+            "nice": nice}
     vllm = engine == "vllm"
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "load_tests.relay_capacity", "--serve", json.dumps(spec),
@@ -246,7 +248,7 @@ async def measure(engines: int, seqs: int, tokens: int, step_s: float, waves: in
         "samples": received, "tokens_relayed": relayed, "tokens_expected": samples * tokens,
         "tokens_generated": s1["tokens_generated"] - s0["tokens_generated"],
         "engine": engine, "backend": backend, "engines_per_host": engines_per_host if backend == "process" else None,
-        "batch_ms": batch_ms if backend == "process" else None,
+        "batch_ms": batch_ms if backend == "process" else None, "nice": nice if backend == "process" else None,
         "demand_tokens_per_s": None if vllm else round(engines * seqs / step_s),
         "relayed_tokens_per_s": round(relayed / wall),
         "wall_s": round(wall, 3), "ideal_s": None if vllm else round(ideal, 3),
@@ -278,9 +280,10 @@ def format_row(r: dict) -> str:
 
 def run(engine_counts: list[int], seqs: int, tokens: int, step_s: float, waves: int, profile: str = "",
         engine: str = "sim", model: str = "", backend: str = "local", engines_per_host: int = 8,
-        batch_ms: float = 0.0) -> list[dict]:
+        batch_ms: float = 0.0, nice: int = 0) -> list[dict]:
     steps = "vLLM engines" if engine == "vllm" else f"{step_s * 1e3:g} ms steps"
-    where = (f"in host processes of {engines_per_host} engines (batches of {batch_ms:g} ms)" if backend == "process"
+    where = (f"in host processes of {engines_per_host} engines (batches of {batch_ms:g} ms, nice {nice})"
+             if backend == "process"
              else "in the server's process")
     print(f"{seqs} sequences per engine, {tokens}-token samples, {steps}, {waves} waves, engines {where}; "
           "server CPU: all threads of the server process", flush=True)
@@ -289,7 +292,7 @@ def run(engine_counts: list[int], seqs: int, tokens: int, step_s: float, waves: 
     for n in engine_counts:
         path = f"{profile}.{n}-engines.prof" if profile else ""
         row = asyncio.run(measure(n, seqs, tokens, step_s, waves, path, engine, model, backend, engines_per_host,
-                                  batch_ms))
+                                  batch_ms, nice))
         rows.append(row)
         print(format_row(row), flush=True)
     return rows
@@ -311,6 +314,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--engines-per-host", type=int, default=8, help="process backend: engines per host process")
     p.add_argument("--batch-ms", type=float, default=None,
                    help="process backend: how long a host's news waits for more (engine.process.batch_ms)")
+    p.add_argument("--nice", type=int, default=0, help="process backend: the hosts' niceness (engine.process.nice)")
     p.add_argument("--quick", action="store_true", help="a small run (CI): 2 engines x 4 sequences, 16 tokens")
     p.add_argument("--report", help="directory for relay_capacity.json")
     p.add_argument("--profile", metavar="PREFIX", help="run the server under cProfile (slower): PREFIX.N-engines.prof")
@@ -325,7 +329,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     else:
         rows = run([int(n) for n in args.engines.split(",")], args.seqs, args.tokens, args.step_ms / 1e3, args.waves,
                    os.path.abspath(args.profile) if args.profile else "", args.engine, args.model, args.backend,
-                   args.engines_per_host, ProcessConfig().batch_ms if args.batch_ms is None else args.batch_ms)
+                   args.engines_per_host, ProcessConfig().batch_ms if args.batch_ms is None else args.batch_ms,
+                   args.nice)
     if args.report:
         out = Path(args.report)
         out.mkdir(parents=True, exist_ok=True)

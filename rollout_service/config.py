@@ -52,6 +52,7 @@ class ProcessConfig:
     engines_per_host: int = 8  # engines (and their output processing) per host process
     heartbeat_s: float = 0.25  # an idle host reports its engines' load this often
     batch_ms: float = 0.0  # a host's news waits at most this long for more to join its batch
+    nice: int = 0  # hosts' niceness above the server's (0-19): with fewer cores than hosts, the server goes first
 
 
 @dataclass(slots=True)

@@ -117,7 +117,8 @@ def make_engines(cfg: EngineConfig, info: ModelInfo, plan: FleetPlan | None = No
         from rollout_service.engines.proc_fleet import make_process_engines
 
         return make_process_engines(factories, engines_per_host=cfg.process.engines_per_host,
-                                    heartbeat_s=cfg.process.heartbeat_s, batch_ms=cfg.process.batch_ms)
+                                    heartbeat_s=cfg.process.heartbeat_s, batch_ms=cfg.process.batch_ms,
+                                    nice=cfg.process.nice)
     return [make() for _, make in factories]
 
 

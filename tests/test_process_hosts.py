@@ -46,6 +46,10 @@ def test_the_backend_is_chosen_by_flag_or_table_and_a_wrong_one_is_named(tmp_pat
     cfg = load_config(None, ["engine.placement_backend=\"nowhere\""])
     with pytest.raises(ValueError, match="engine.placement_backend must be one of local, process, ray, got 'nowhere'"):
         fleet_plan(cfg.engine, None)
+    from rollout_service.engines.proc_fleet import make_process_engines
+
+    with pytest.raises(ValueError, match="engine.process.nice must be 0-19, got 25"):
+        make_process_engines([], nice=25)
 
 
 async def test_engines_in_hosts_serve_push_weights_and_survive_a_killed_host():
@@ -104,8 +108,11 @@ async def test_a_host_s_speculation_and_its_draft_weights_are_mirrored():
     from rollout_service.engines.weights import StagedWeights, WeightTensor
 
     spec = {"method": "draft_model", "num_speculative_tokens": 3, "schedule": [[1, 64, 3]]}
-    async with running(process_config(2, 2, spec=spec, sim=dict(FAST_SIM, decode_base_s=0.002))) as service:
+    cfg = process_config(2, 2, spec=spec, sim=dict(FAST_SIM, decode_base_s=0.002))
+    cfg.engine.process.nice = 5
+    async with running(cfg) as service:
         engine = service.core.engines["sim-0"]
+        assert psutil.Process(engine.host_pid).nice() == psutil.Process().nice() + 5  # below the server
         d = engine.describe()
         assert (d.placement, d.kind, d.speculation) == ("process", "sim", "draft_model")
         await engine.speculation.set_schedule([[1, 64, 2]])

@@ -79,13 +79,14 @@ class ProcessHost(HostLink):
     batches, routes its calls' answers."""
 
     def __init__(self, fleet: ProcessFleet, index: int, factories: dict[str, Callable[[], Engine]],
-                 heartbeat_s: float, batch_s: float = 0.0) -> None:
+                 heartbeat_s: float, batch_s: float = 0.0, nice: int = 0) -> None:
         super().__init__()
         self.fleet = fleet
         self.index = index
         self.factories = factories
         self.heartbeat_s = heartbeat_s
         self.batch_s = batch_s
+        self.nice = nice
         self.proc: asyncio.subprocess.Process | None = None
         self.generation = 0
         self._writer: asyncio.StreamWriter | None = None
@@ -120,7 +121,8 @@ class ProcessHost(HostLink):
         finally:
             theirs.close()
         reader, writer = await asyncio.open_connection(sock=ours, limit=1 << 24)
-        writer.write(_frame((self.factories, self.heartbeat_s, self.batch_s, logging.getLogger().getEffectiveLevel())))
+        writer.write(_frame((self.factories, self.heartbeat_s, self.batch_s, self.nice,
+                             logging.getLogger().getEffectiveLevel())))
         try:
             hello = await asyncio.wait_for(_read_frame(reader), START_TIMEOUT_S)
         except asyncio.TimeoutError:
@@ -243,15 +245,17 @@ class ProcessEngine(HostedEngine):
 
 
 def make_process_engines(factories: list[tuple[str, Callable[[], Engine]]], *, engines_per_host: int = 8,
-                         heartbeat_s: float = 0.25, batch_ms: float = 0.0) -> list[ProcessEngine]:
+                         heartbeat_s: float = 0.25, batch_ms: float = 0.0, nice: int = 0) -> list[ProcessEngine]:
     """One host process per `engines_per_host` engines (started with the engines)."""
     if engines_per_host < 1:
         raise ValueError(f"engine.process.engines_per_host must be >= 1, got {engines_per_host}")
+    if not 0 <= nice <= 19:
+        raise ValueError(f"engine.process.nice must be 0-19, got {nice}")
     fleet = ProcessFleet()
     engines = []
     for index in range(0, len(factories), engines_per_host):
         chunk = factories[index:index + engines_per_host]
-        host = ProcessHost(fleet, index // engines_per_host, dict(chunk), heartbeat_s, batch_ms / 1e3)
+        host = ProcessHost(fleet, index // engines_per_host, dict(chunk), heartbeat_s, batch_ms / 1e3, nice)
         engines += [ProcessEngine(eid, host, make()) for eid, make in chunk]
     return engines
 
@@ -271,7 +275,9 @@ async def _host_main(fd: int) -> None:
     setup = await _read_frame(reader)
     if setup is None:
         return
-    factories, heartbeat_s, batch_s, level = setup
+    factories, heartbeat_s, batch_s, nice, level = setup
+    if nice:
+        os.nice(nice)  # below the server: on a machine with fewer cores than hosts, the server's loop goes first
     logging.basicConfig(level=level, format=f"%(asctime)s host {os.getpid()} %(levelname)s %(name)s: %(message)s")
     host = LocalEngineHost(factories, heartbeat_s, batch_s)
     writer.write(_frame(("hello", await host.info())))
