@@ -48,6 +48,39 @@ def connect(service: RolloutService, prefix: str, **kwargs) -> RolloutClient:
     return RolloutClient(f"127.0.0.1:{service.grpc_port}", consumer_id=unique(prefix), **kwargs)
 
 
+def check_versions(sample, allowed: set[int]) -> None:
+    """Every response token is tagged, segments in order, versions never go back."""
+    assert sum(n for _, _, n in sample.versions) == len(sample.response_token_ids)
+    starts = [s for _, s, _ in sample.versions]
+    assert starts == sorted(starts)
+    versions = [v for v, _, _ in sample.versions]
+    assert versions == sorted(versions) and set(versions) <= allowed, sample.versions
+
+
+async def rollout_through_a_kill(client: RolloutClient, core, victim_id: str, timeout: float = 120.0) -> list:
+    """16 groups of 8 (60 to 300 tokens each) submitted; once `victim_id`
+    runs a request with tokens, the process holding it is SIGKILLed (its
+    `host_pid`) and, while it is down, version 1 is pushed, which every
+    engine still up applies. Returns the 128 samples."""
+    import signal
+
+    import numpy as np
+    from trainer_client import PromptGroup
+
+    prefix = unique("k")
+    await client.submit([PromptGroup(prompt_token_ids=[1, 5, i], num_samples=8, max_tokens=400, group_id=f"{prefix}-{i}",
+                                     metadata={"sim.target_lengths": "60,300,120,200"}) for i in range(16)])
+    victim = core.engines[victim_id]
+    await wait_until(lambda: any(r.engine_id == victim_id and len(r.token_ids) > 5 for r, _ in core.running.values()),
+                     60, f"a request with tokens on {victim_id}")
+    os.kill(victim.host_pid, signal.SIGKILL)
+    await wait_until(lambda: victim.load().state != "ready", 60, "the death to be seen")
+    reply = await client.push_weights({"w": np.ones((64, 64), np.float32)}, version=1)
+    assert reply.applied_version == 1
+    assert all(e.load().policy_version == 1 for e in core.engines.values() if e.load().state == "ready")
+    return await collect(client, prefix, 128, timeout=timeout)
+
+
 def free_port() -> int:
     """A loopback TCP port nothing listens on (for a server started as a subprocess)."""
     with socket.socket() as s:

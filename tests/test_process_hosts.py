@@ -4,7 +4,6 @@ to the server in batches; real services on loopback ports, the real client,
 simulated engines in real host processes."""
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import subprocess
@@ -16,10 +15,10 @@ import psutil
 import pytest
 
 from rollout_service.config import EngineConfig, ProcessConfig, ServiceConfig
-from rollout_service.service import RolloutService
 from trainer_client import PromptGroup, RolloutClient
 
-from helpers import FAST_SIM, collect, free_port, running, unique, wait_until, wait_until_sync
+from helpers import (FAST_SIM, check_versions, collect, free_port, rollout_through_a_kill, running, unique, wait_until,
+                     wait_until_sync)
 
 
 def process_config(num_engines: int, per_host: int, **engine) -> ServiceConfig:
@@ -27,13 +26,6 @@ def process_config(num_engines: int, per_host: int, **engine) -> ServiceConfig:
     return ServiceConfig(grpc_port=0, http_port=0, engine=EngineConfig(
         kind="sim", num_engines=num_engines, placement_backend="process",
         process=ProcessConfig(engines_per_host=per_host, heartbeat_s=0.1), **engine))
-
-
-def check_versions(sample, allowed: set[int]) -> None:
-    """Every response token is tagged, segments in order, versions never go back."""
-    assert sum(n for _, _, n in sample.versions) == len(sample.response_token_ids)
-    versions = [v for v, _, _ in sample.versions]
-    assert versions == sorted(versions) and set(versions) <= allowed, sample.versions
 
 
 def test_the_backend_is_chosen_by_flag_or_table_and_a_wrong_one_is_named(tmp_path):
@@ -65,20 +57,9 @@ async def test_engines_in_hosts_serve_push_weights_and_survive_a_killed_host():
         assert all(e.placement == "process" for e in engines) and len(pids) == 2 and os.getpid() not in pids
         assert engines[0].host_pid == engines[1].host_pid != engines[2].host_pid
         async with RolloutClient(f"127.0.0.1:{service.grpc_port}", consumer_id=unique("proc")) as client:
-            prefix = unique("p")
-            await client.submit([PromptGroup(prompt_token_ids=[1, 5, i], num_samples=8, max_tokens=400,
-                                             group_id=f"{prefix}-{i}", metadata={"sim.target_lengths": "60,300,120,200"})
-                                 for i in range(16)])
             victim = core.engines["sim-1"]
-            await wait_until(lambda: any(r.engine_id == "sim-1" and len(r.token_ids) > 5 for r, _ in core.running.values()),
-                             30, "a request with tokens on sim-1")
             pid, restarts = victim.host_pid, victim.restarts
-            os.kill(pid, signal.SIGKILL)
-            await wait_until(lambda: victim.load().state != "ready", 30, "the host's death to be seen")
-            reply = await client.push_weights({"w": np.ones((64, 64), np.float32)}, version=1)
-            assert reply.applied_version == 1
-            assert all(e.load().policy_version == 1 for e in engines if e.host is not victim.host)
-            samples = await collect(client, prefix, 128, timeout=120)
+            samples = await rollout_through_a_kill(client, core, "sim-1")
             await wait_until(lambda: victim.restarts == restarts + 1 and victim.load().state == "ready"
                              and not core.is_restarting("sim-1"), 60, "the host to come back")
             assert victim.host_pid not in (None, pid) and victim.load().policy_version == 1
@@ -238,7 +219,7 @@ async def test_a_request_migrated_between_hosts_mid_batch_continues_exactly():
                                  for i in range(4)])
             await wait_until(lambda: sum(len(r.token_ids) > 40 for r, _ in core.running.values()) >= 4,
                              30, "requests 40 tokens in")
-            for req in [r for r, _ in list(core.running.values())][:4]:
+            for req in [r for r, _ in list(core.running.values()) if len(r.token_ids) > 40][:4]:
                 await core.migrate(req, "sim-1" if req.engine_id == "sim-0" else "sim-0")
             samples = await collect(client, prefix, 8, timeout=60)
     migrated = [s for s in samples if len(s.engines) == 2]

@@ -18,17 +18,8 @@ ray = pytest.importorskip("ray")
 from rollout_service.service import RolloutService  # noqa: E402
 from trainer_client import PromptGroup, RolloutClient  # noqa: E402
 
-from helpers import (FAST_SIM, add_ray_node, bundled_weights, collect, perturbed, ray_config, unique,  # noqa: E402
-                     vllm_model, wait_until)
-
-
-def check_versions(sample, allowed: set[int]) -> None:
-    """Every response token is tagged, segments in order, versions never go back."""
-    assert sum(n for _, _, n in sample.versions) == len(sample.response_token_ids)
-    starts = [s for _, s, _ in sample.versions]
-    assert starts == sorted(starts)
-    versions = [v for v, _, _ in sample.versions]
-    assert versions == sorted(versions) and set(versions) <= allowed, sample.versions
+from helpers import (FAST_SIM, add_ray_node, bundled_weights, check_versions, collect, perturbed,  # noqa: E402
+                     ray_config, rollout_through_a_kill, unique, vllm_model, wait_until)
 
 
 def test_ray_flag_and_toml_table_select_ray_placement(tmp_path):
@@ -62,22 +53,11 @@ async def test_sim_actors_serve_push_weights_and_survive_a_killed_actor(ray_clus
         assert all(e.placement == "ray" and e.actor_pid != os.getpid() for e in engines)
         assert len({e.node_id for e in engines}) >= 2  # spread over the nodes
         async with RolloutClient(f"127.0.0.1:{service.grpc_port}", consumer_id=unique("ray")) as client:
-            prefix = unique("r")
-            await client.submit([PromptGroup(prompt_token_ids=[1, 5, i], num_samples=8, max_tokens=400,
-                                             group_id=f"{prefix}-{i}", metadata={"sim.target_lengths": "60,300,120,200"})
-                                 for i in range(16)])
             victim = core.engines["sim-1"]
-            await wait_until(lambda: any(r.engine_id == "sim-1" and len(r.token_ids) > 5 for r, _ in core.running.values()),
-                             60, "a request with tokens on sim-1")
             pid, restarts = victim.actor_pid, victim.restarts
-            os.kill(pid, signal.SIGKILL)
-            await wait_until(lambda: victim.load().state != "ready", 60, "the actor's death to be seen")
-            # Mid-rollout, with an engine down: the others apply it now, the
-            # recreated actor when it is back.
-            reply = await client.push_weights({"w": np.ones((256, 256), np.float32)}, version=1)
-            assert reply.applied_version == 1
-            assert all(e.load().policy_version == 1 for e in engines if e is not victim)
-            samples = await collect(client, prefix, 128, timeout=120)
+            # Mid-rollout, with an engine down: the others apply the push now,
+            # the recreated actor when it is back.
+            samples = await rollout_through_a_kill(client, core, "sim-1")
             after = unique("after")
             await client.submit([PromptGroup(prompt_token_ids=[1, 7, i], num_samples=4, max_tokens=50, group_id=f"{after}-{i}")
                                  for i in range(8)])

@@ -14,6 +14,7 @@ A concrete link (`ray_proxy.RayHost`, `proc_fleet.ProcessHost`) provides
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 from collections import Counter
@@ -51,22 +52,33 @@ class HostLink:
     # counters (in the core's, so they show in Status and /metrics)
     BATCHES, EVENTS, CALLS, DEATHS = "host_batches", "host_events", "host_calls", "host_deaths"
 
-    def __init__(self) -> None:
+    def __init__(self, fleet) -> None:
+        self.fleet = fleet  # its `stats` counters are the hosts' (bound to the core's)
         self.engines: dict[str, HostedEngine] = {}
         self.alive = False
         self.info: dict[str, Any] = {}
         # stream id -> (its stream, engine, request id)
         self._streams: dict[int, tuple[DeltaStream, HostedEngine, str]] = {}
         self._next_stream = 0
+        self._lock: asyncio.Lock | None = None
 
     @property
     def stats(self) -> Counter:
-        raise NotImplementedError
-
-    # -- what a concrete link provides ----------------------------------------------
+        return self.fleet.stats
 
     async def ensure(self) -> None:
         """Make sure the host runs (a new one if it died)."""
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            if self.alive:
+                return
+            await self._spawn()
+
+    # -- what a concrete link provides ----------------------------------------------
+
+    async def _spawn(self) -> None:
+        """Start the host (a new one: the previous, if any, is dead)."""
         raise NotImplementedError
 
     async def call(self, method: str, *args) -> Any:

@@ -80,8 +80,7 @@ class ProcessHost(HostLink):
 
     def __init__(self, fleet: ProcessFleet, index: int, factories: dict[str, Callable[[], Engine]],
                  heartbeat_s: float, batch_s: float = 0.0, nice: int = 0) -> None:
-        super().__init__()
-        self.fleet = fleet
+        super().__init__(fleet)
         self.index = index
         self.factories = factories
         self.heartbeat_s = heartbeat_s
@@ -93,23 +92,9 @@ class ProcessHost(HostLink):
         self._calls: dict[int, asyncio.Future] = {}
         self._adds: list[tuple[str, int, EngineRequest]] = []
         self._call_ids = itertools.count(1)
-        self._lock: asyncio.Lock | None = None
         self._pump: asyncio.Task | None = None
         self._closed = 0
         fleet.hosts.append(self)
-
-    @property
-    def stats(self) -> Counter:
-        return self.fleet.stats
-
-    async def ensure(self) -> None:
-        """Make sure the host process runs (a new one if it died)."""
-        if self._lock is None:
-            self._lock = asyncio.Lock()
-        async with self._lock:
-            if self.alive:
-                return
-            await self._spawn()
 
     async def _spawn(self) -> None:
         self._kill()

@@ -52,31 +52,16 @@ class RayHost(HostLink):
 
     def __init__(self, fleet: "RayFleet", bundle_index: int, factories: dict[str, Callable[[], Engine]],
                  actor_options: dict[str, Any], heartbeat_s: float) -> None:
-        super().__init__()
-        self.fleet = fleet
+        super().__init__(fleet)
         self.bundle_index = bundle_index
         self.factories = factories
         self.actor_options = actor_options
         self.heartbeat_s = heartbeat_s
         self.actor = None
         self.generation = 0
-        self._lock: asyncio.Lock | None = None
         self._pump: asyncio.Task | None = None
         self._closed = 0
         fleet.add_host(self)
-
-    @property
-    def stats(self):
-        return self.fleet.stats
-
-    async def ensure(self) -> None:
-        """Make sure the actor runs (a new one in the same bundle if it died)."""
-        if self._lock is None:
-            self._lock = asyncio.Lock()
-        async with self._lock:
-            if self.alive:
-                return
-            await self._spawn()
 
     def _kill_actor(self) -> None:
         """Kill the current actor, if any (it may already be dead)."""
