@@ -133,7 +133,11 @@ class HostLink:
                 stats[self.EVENTS] += len(ev.stream_ids)
                 for sid, n in zip(ev.stream_ids, ev.counts):
                     entry = streams.get(sid)
-                    if entry is not None:
+                    if entry is None:
+                        pass
+                    elif n == 1:  # most often: the server keeps up, a token per stream
+                        entry[0].push_tokens([token_ids[at]], [logprobs[at]], version)
+                    else:
                         entry[0].push_tokens(token_ids[at:at + n].tolist(), logprobs[at:at + n].tolist(), version)
                     at += n
                 continue
