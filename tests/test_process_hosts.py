@@ -134,6 +134,22 @@ async def test_the_same_tokens_as_engines_in_the_server_s_process():
     assert sorted(len(t) for t, _, _ in local.values())[:4] == [3] * 4
 
 
+async def test_a_host_that_cannot_build_its_engines_fails_their_start_naming_it():
+    """A host whose engine cannot be built exits; starting its engine fails
+    at once with an EngineError naming the host and its exit (the core's
+    health watch would try again), not after the start timeout."""
+    import functools
+
+    from rollout_service.engines.base import EngineError
+    from rollout_service.engines.proc_fleet import ProcessFleet, ProcessHost
+
+    host = ProcessHost(ProcessFleet(), 0, {"broken-0": functools.partial(int, "not an engine")}, heartbeat_s=0.1)
+    t0 = time.monotonic()
+    with pytest.raises(EngineError, match=r"engine host 0 \(broken-0\) exited before it was ready \(exit code 1"):
+        await host.ensure()
+    assert time.monotonic() - t0 < 60 and not host.alive
+
+
 def test_a_killed_server_leaves_no_host_behind(tmp_path):
     """Hosts end with the server: SIGKILL the server, and its host processes
     exit within seconds (they see their link close)."""

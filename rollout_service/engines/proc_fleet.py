@@ -110,13 +110,19 @@ class ProcessHost(HostLink):
                              logging.getLogger().getEffectiveLevel())))
         try:
             hello = await asyncio.wait_for(_read_frame(reader), START_TIMEOUT_S)
+            timed_out = False
         except asyncio.TimeoutError:
-            hello = None
+            hello, timed_out = None, True
         if not hello or hello[0] != "hello":
-            proc.kill()
             writer.close()
-            raise EngineError(f"engine host {self.index} ({','.join(self.factories)}) did not start "
-                              f"within {START_TIMEOUT_S:g} s (exit code {proc.returncode})")
+            try:  # its link closed: it is exiting (bounded, then killed)
+                await asyncio.wait_for(proc.wait(), 0.1 if timed_out else CLOSE_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                proc.kill()
+                await proc.wait()
+            what = f"did not start within {START_TIMEOUT_S:g} s" if timed_out else \
+                f"exited before it was ready (exit code {proc.returncode}; its error is in the server's log)"
+            raise EngineError(f"engine host {self.index} ({','.join(self.factories)}) {what}")
         self.proc, self._writer, self.info = proc, writer, hello[1]
         self.generation += 1
         self.alive = True
