@@ -17,18 +17,18 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from array import array
 import glob
 import logging
 import os
 import time
+from array import array
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Mapping
 
 from rollout_service.engines.base import Engine
-from rollout_service.engines.stream import DeltaStream
 from rollout_service.engines.spec_monitor import SpecSnapshot
+from rollout_service.engines.stream import DeltaStream
 from rollout_service.engines.types import EngineDescription, EngineLoad, EngineRequest, EngineState, TokenDelta
 from rollout_service.engines.weights import StagedWeights, WeightTensor
 
