@@ -10,7 +10,7 @@ delta of a batch straight into the core's sink, with no task switch per
 delta, and deltas of tokens only arrive gathered per stream (`DeltaRun`).
 
 A concrete link (`ray_proxy.RayHost`, `proc_fleet.ProcessHost`) provides
-`ensure`, `call`, `send_add`, `weights_payload` and `close_engine`.
+`_spawn`, `call`, `send_add`, `weights_payload` and `close_engine`.
 """
 from __future__ import annotations
 

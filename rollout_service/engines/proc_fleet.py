@@ -10,9 +10,10 @@ The same engines as in the server's own process (a `VllmEngine`'s `AsyncLLM`
 front end or a `SimEngine`), and the same host code as a Ray actor's
 (`ray_host.EngineHost`): what an engine costs per token (output processing,
 detokenising, the simulator's steps) is spent in its host, and the server
-receives each host's news as batches, one-token deltas as arrays. On a fleet
-of many engines this is what keeps one server process from relaying every
-token of the fleet through its own event loop (docs/scaling.md).
+receives each host's news as batches, deltas of tokens gathered per stream
+as arrays. On a fleet of many engines this is what keeps one server process
+from relaying every token of the fleet through its own event loop
+(docs/architecture.md, "Engine hosts").
 
 The link is a socket pair; each frame is a 4-byte length and a pickle:
 
@@ -58,11 +59,11 @@ def _frame(obj: Any) -> bytes:
 
 
 async def _read_frame(reader: asyncio.StreamReader) -> Any:
-    """The next frame, or None at the end of the stream."""
+    """The next frame, or None at the end of the stream (or a reset link)."""
     try:
         size = HEADER.unpack(await reader.readexactly(HEADER.size))[0]
         return pickle.loads(await reader.readexactly(size))
-    except asyncio.IncompleteReadError:
+    except (asyncio.IncompleteReadError, ConnectionError):
         return None
 
 
@@ -161,11 +162,15 @@ class ProcessHost(HostLink):
     def _lost(self, exc: BaseException) -> None:
         self.died("engine host", exc)
         self._adds = []  # their streams failed with the host
+        self._fail_calls(f"engine host {self.info.get('pid')} died")
+        self._kill()
+
+    def _fail_calls(self, why: str) -> None:
+        """Every call still waiting for an answer fails with `why`."""
         calls, self._calls = self._calls, {}
         for fut in calls.values():
             if not fut.done():
-                fut.set_exception(EngineError(f"engine host {self.info.get('pid')} died"))
-        self._kill()
+                fut.set_exception(EngineError(why))
 
     def _send(self, message: tuple) -> None:
         if not self.alive or self._writer is None:
@@ -214,10 +219,7 @@ class ProcessHost(HostLink):
         self.alive = False
         if self._pump is not None:
             self._pump.cancel()
-        calls, self._calls = self._calls, {}
-        for fut in calls.values():
-            if not fut.done():
-                fut.set_exception(EngineError(f"engine host {self.index} closed"))
+        self._fail_calls(f"engine host {self.index} closed")
         proc, writer, self._writer = self.proc, self._writer, None
         if writer is not None:
             writer.close()  # the host exits at the end of its link
@@ -297,7 +299,7 @@ async def _host_main(fd: int) -> None:
 
     events = asyncio.create_task(pump())
     try:
-        while (frame := await _read_frame_or_none(reader)) is not None:
+        while (frame := await _read_frame(reader)) is not None:
             if frame[0] == "adds":
                 for engine_id, stream_id, request in frame[1]:
                     await host.add(engine_id, stream_id, request)
@@ -316,12 +318,6 @@ async def _host_main(fd: int) -> None:
             except Exception as exc:
                 log.warning("closing engine %s: %s: %s", eid, type(exc).__name__, exc)
 
-
-async def _read_frame_or_none(reader: asyncio.StreamReader) -> Any:
-    try:
-        return await _read_frame(reader)
-    except ConnectionError:
-        return None
 
 
 if __name__ == "__main__":

@@ -83,7 +83,7 @@ class RayHost(HostLink):
         actor = _remote_host_class().options(scheduling_strategy=strategy, **self.actor_options).remote(
             self.factories, self.heartbeat_s)
         self.info = await actor.info.remote()
-        self.fleet.stats["ray_calls"] += 1
+        self.stats[self.CALLS] += 1
         self.actor = actor
         self.generation += 1
         self.alive = True
@@ -96,7 +96,7 @@ class RayHost(HostLink):
         stats = self.fleet.stats
         try:
             stream = actor.events.options(num_returns="streaming", _generator_backpressure_num_objects=1).remote()
-            stats["ray_calls"] += 1
+            stats[self.CALLS] += 1
             async for ref in stream:
                 self.dispatch(await ref)
             raise EngineError("the actor's event stream ended")
@@ -107,7 +107,7 @@ class RayHost(HostLink):
                 self.died("Ray actor", exc)
 
     def send_add(self, engine_id: str, stream_id: int, request: EngineRequest) -> None:
-        self.fleet.stats["ray_calls"] += 1
+        self.stats[self.CALLS] += 1
         self.actor.add.remote(engine_id, stream_id, request)
 
     async def weights_payload(self, weights: StagedWeights):
@@ -117,7 +117,7 @@ class RayHost(HostLink):
         """One awaited actor call; a dead actor is an EngineError."""
         if not self.alive or self.actor is None:
             raise EngineError(f"Ray actor of bundle {self.bundle_index} is not running")
-        self.fleet.stats["ray_calls"] += 1
+        self.stats[self.CALLS] += 1
         try:
             return await getattr(self.actor, method).remote(*args)
         except _ray_errors() as exc:
