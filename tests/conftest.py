@@ -15,7 +15,9 @@ whatever the module before it pushed.
 
 Markers come from the fixtures a test uses (`item.fixturenames`): `vllm`
 for real vLLM engines, `ray` for the Ray cluster, `slow` for the rest that
-take long. `make test-fast` runs the tests with none of them."""
+take long. `make test-fast` runs the tests with none of them. A test on
+engines of its own and on no shared fleet or cluster is also `own_vllm`:
+`make test` runs those beside the fleets (scripts/test_suite.sh)."""
 from __future__ import annotations
 
 import asyncio
@@ -92,6 +94,8 @@ def pytest_collection_modifyitems(config, items):
         names = set(getattr(item, "fixturenames", ()))
         if names & VLLM_FIXTURES:
             item.add_marker(pytest.mark.vllm)
+            if not names & (set(FLEETS) | RAY_FIXTURES):
+                item.add_marker(pytest.mark.own_vllm)
         if names & RAY_FIXTURES:
             item.add_marker(pytest.mark.ray)
         if item.nodeid.split("[")[0].removeprefix("tests/") in SLOW:
