@@ -10,7 +10,7 @@ delta of a batch straight into the core's sink, with no task switch per
 delta, and deltas of tokens only arrive gathered per stream (`DeltaRun`).
 
 A concrete link (`ray_proxy.RayHost`, `proc_fleet.ProcessHost`) provides
-`_spawn`, `call`, `send_add`, `weights_payload` and `close_engine`.
+`_spawn`, `call`, `send_add`, `weights_payload` and `_end`.
 """
 from __future__ import annotations
 
@@ -39,6 +39,8 @@ from rollout_service.engines.weights import StagedWeights
 
 log = logging.getLogger(__name__)
 
+CLOSE_TIMEOUT_S = 30.0  # one engine's close in its host
+
 
 def _ended() -> TokenDelta:
     """What a stream ended without a finish (aborted) hands its reader."""
@@ -61,6 +63,7 @@ class HostLink:
         self._streams: dict[int, tuple[DeltaStream, HostedEngine, str]] = {}
         self._next_stream = 0
         self._lock: asyncio.Lock | None = None
+        self._closed = 0
 
     @property
     def stats(self) -> Counter:
@@ -93,8 +96,23 @@ class HostLink:
         """What `EngineHost.update_weights` receives for a push."""
         raise NotImplementedError
 
-    async def close_engine(self, engine_id: str) -> None:
+    async def _end(self) -> None:
+        """End the host, its engines all closed."""
         raise NotImplementedError
+
+    async def close_engine(self, engine_id: str) -> None:
+        """Close one engine; the host ends once all of its engines are closed,
+        counted as their closes complete (the host answers each first):
+        counted at the call, the last engine's close would end the host
+        under a close still in flight."""
+        if self.alive:
+            try:
+                await asyncio.wait_for(self.call("close_engine", engine_id), CLOSE_TIMEOUT_S)
+            except Exception as exc:
+                log.debug("close of %s: %s: %s", engine_id, type(exc).__name__, exc)
+        self._closed += 1
+        if self._closed >= len(self.engines):
+            await self._end()
 
     # -- streams --------------------------------------------------------------------
 

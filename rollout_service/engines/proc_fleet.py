@@ -41,7 +41,7 @@ from collections import Counter
 from typing import Any, Callable
 
 from rollout_service.engines.base import Engine, EngineError
-from rollout_service.engines.hosted import HostedEngine, HostLink
+from rollout_service.engines.hosted import CLOSE_TIMEOUT_S, HostedEngine, HostLink
 from rollout_service.engines.ray_host import EngineHost
 from rollout_service.engines.types import EngineRequest
 from rollout_service.engines.weights import StagedWeights
@@ -50,7 +50,6 @@ log = logging.getLogger(__name__)
 
 HEADER = struct.Struct("!I")
 START_TIMEOUT_S = 120.0  # a host's interpreter up and its engines built (not started)
-CLOSE_TIMEOUT_S = 30.0
 
 
 def _frame(obj: Any) -> bytes:
@@ -94,7 +93,6 @@ class ProcessHost(HostLink):
         self._adds: list[tuple[str, int, EngineRequest]] = []
         self._call_ids = itertools.count(1)
         self._pump: asyncio.Task | None = None
-        self._closed = 0
         fleet.hosts.append(self)
 
     async def _spawn(self) -> None:
@@ -205,17 +203,7 @@ class ProcessHost(HostLink):
     async def weights_payload(self, weights: StagedWeights) -> str:
         return await weights.as_file()
 
-    async def close_engine(self, engine_id: str) -> None:
-        """Close one engine; the host ends once all of its engines are closed
-        (counted as their closes complete: the host answers each first)."""
-        if self.alive:
-            try:
-                await asyncio.wait_for(self.call("close_engine", engine_id), CLOSE_TIMEOUT_S)
-            except Exception as exc:
-                log.debug("close of %s: %s: %s", engine_id, type(exc).__name__, exc)
-        self._closed += 1
-        if self._closed < len(self.engines):
-            return
+    async def _end(self) -> None:
         self.alive = False
         if self._pump is not None:
             self._pump.cancel()

@@ -60,7 +60,6 @@ class RayHost(HostLink):
         self.actor = None
         self.generation = 0
         self._pump: asyncio.Task | None = None
-        self._closed = 0
         fleet.add_host(self)
 
     def _kill_actor(self) -> None:
@@ -127,15 +126,7 @@ class RayHost(HostLink):
         except Exception as exc:  # the engine's own error, re-raised by Ray
             raise EngineError(str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__) from exc
 
-    async def close_engine(self, engine_id: str) -> None:
-        self._closed += 1
-        if self.alive and self.actor is not None:
-            try:
-                await asyncio.wait_for(self.actor.close_engine.remote(engine_id), 30)
-            except Exception as exc:
-                log.debug("close of %s: %s", engine_id, exc)
-        if self._closed < len(self.engines):
-            return
+    async def _end(self) -> None:
         if self._pump is not None:
             self._pump.cancel()
         self.alive = False
