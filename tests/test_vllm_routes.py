@@ -327,6 +327,7 @@ async def test_control_routes_need_the_weights_token():
     ("POST", "/inference/v1/generate", {**_long(2), "cache_salt": ""}, "cache_salt"),
     ("POST", "/inference/v1/generate", {**_long(2), "stream_options": {"include_usage": True}}, "stream_options"),
     ("POST", "/v1/completions", {"prompt": PROMPT, "cache_salt": 7}, "cache_salt"),
+    ("POST", "/update_weights", {"weight_dir": "/checkpoints/step_3"}, "weight_dir"),  # prime-rl's body
 ])
 async def test_bad_values_are_400_in_vllms_error_shape_naming_the_field(fleet, method, path, body, param):
     status, r = await _call(fleet.http_port, method, path, body)

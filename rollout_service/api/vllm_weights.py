@@ -86,6 +86,10 @@ class VllmWeightTransfer:
         value = body.get(key)
         if value is None and not required:
             return {}
+        if value is None and key == "update_info" and "weight_dir" in body:
+            raise BadRequest("weight_dir", "a directory to load weights from is prime-rl's own /update_weights, not "
+                                           "vLLM's: send update_info (vLLM's weight transfer), or push the weights "
+                                           "with the trainer client")
         if not isinstance(value, dict):
             raise BadRequest(key, f"must be an object, got {_short(value)}")
         return value
