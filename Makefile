@@ -38,7 +38,7 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -n 2 -m "not vllm and not ray and not slow" $(ARGS); rc=$$?; if [ $$rc -eq 5 ]; then rc=0; fi; exit $$rc
 
 bench: $(STAMP)
-	$(BIN)/python -m load_tests.delivery_throughput $(ARGS)
+	$(BIN)/python -m research.delivery_throughput $(ARGS)
 
 proto: $(STAMP)
 	$(BIN)/python scripts/gen_proto.py

@@ -68,12 +68,12 @@ SLOW = {
         "~8 s: a server started twice as a subprocess",
     "test_nothing_hangs.py::test_after_an_abort_and_with_a_request_in_flight_sigterm_stops_promptly":
         "~5 s: a server started as a subprocess",
-    "test_load_tests.py::test_two_passes_run_the_policies_there_and_back_on_the_two_halves_of_the_steps":
+    "test_research.py::test_two_passes_run_the_policies_there_and_back_on_the_two_halves_of_the_steps":
         "~7 s: load-test runs",
-    "test_load_tests.py::test_predict_runs_each_policy_at_the_host_speed_its_run_measured": "~7 s: load-test runs",
-    "test_load_tests.py::test_a_real_time_run_writes_what_was_generated_and_predict_replays_it":
+    "test_research.py::test_predict_runs_each_policy_at_the_host_speed_its_run_measured": "~7 s: load-test runs",
+    "test_research.py::test_a_real_time_run_writes_what_was_generated_and_predict_replays_it":
         "~6 s: a real-time load-test run",
-    "test_load_tests.py::test_predict_prices_a_verified_draft_token_as_one_more_sequence": "~5 s: load-test runs",
+    "test_research.py::test_predict_prices_a_verified_draft_token_as_one_more_sequence": "~5 s: load-test runs",
     "test_selftest.py::test_selftest_for_a_platform_this_machine_lacks_fails_naming_it": "~8 s: imports vLLM",
     "test_process_hosts.py::test_engines_in_hosts_serve_push_weights_and_survive_a_killed_host":
         "~6 s: 128 samples of up to 300 one-token steps, a host killed and started again",

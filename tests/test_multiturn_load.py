@@ -7,9 +7,9 @@ import asyncio
 import pytest
 
 from rollout_service.bench.driver import group_requests
-from load_tests.policies import parse_policy
-from load_tests.runner import RunConfig, run_policy
-from load_tests.trace_env import TraceEnvironment
+from research.policies import parse_policy
+from research.runner import RunConfig, run_policy
+from research.trace_env import TraceEnvironment
 from rollout_service.bench.workloads import load_workload
 from rollout_service.core.clock import run_virtual
 from rollout_service.engines.types import FinishReason

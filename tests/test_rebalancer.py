@@ -7,7 +7,7 @@ import pytest
 
 from rollout_service.engines.types import SamplingParams
 from rollout_service.lifecycle.types import Group, GroupSpec, Request
-from load_tests.predictor_accuracy import predicted_total, spearman
+from research.predictor_accuracy import predicted_total, spearman
 from rollout_service.scheduling.length_predictor import LengthPredictor
 from rollout_service.scheduling.rebalancer import (
     EngineView,

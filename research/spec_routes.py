@@ -2,8 +2,8 @@
 draft position, and decode speed at small batch for no speculation, the
 draft model and n-gram drafts, at every depth K.
 
-    python -m load_tests.spec_routes --report reports/spec-routes          # ~4 min on 2 cores
-    python -m load_tests.spec_routes --quick                              # ~2 min
+    python -m research.spec_routes --report reports/spec-routes          # ~4 min on 2 cores
+    python -m research.spec_routes --quick                              # ~2 min
 
 Measured on real vLLM CPU engines (one core each) with the bundled tiny
 reasoner and its drafter, on tiny-reasoner prompts at temperature 1.0. The
@@ -28,7 +28,7 @@ import time
 import uuid
 from pathlib import Path
 
-from load_tests.report import save_json
+from research.report import save_json
 from rollout_service.engines.types import EngineRequest, SamplingParams
 from rollout_service.engines.vllm import VllmEngine
 
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--report", help="output directory")
     args = p.parse_args(argv)
     out = asyncio.run(measure(args))
-    out["command"] = "python -m load_tests.spec_routes" + (" --quick" if args.quick else "")
+    out["command"] = "python -m research.spec_routes" + (" --quick" if args.quick else "")
     print(json.dumps({k: out[k] for k in ("draft_cost_ratio", "step_seconds_target", "step_seconds_draft", "best")}, indent=2))
     path = save_json(args.report, "spec_routes.json", out)
     if path is not None:
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from load_tests.interrupt import stop_on_sigterm
+    from research.interrupt import stop_on_sigterm
 
     stop_on_sigterm()
     raise SystemExit(main())

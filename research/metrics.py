@@ -53,7 +53,7 @@ charges at its best), so `makespan / lower_bound >= 1`; the ratio is how far
 a policy is from the limit on that fleet. It is a bound for a scheduler that
 knows every response's length in advance: an online policy also pays for not
 knowing which responses are long. For real engines the bound uses the
-calibrated cost model (`load_tests/calibrate.py`), without a KV term, and is
+calibrated cost model (`research/calibrate.py`), without a KV term, and is
 an estimate.
 """
 from __future__ import annotations

@@ -14,7 +14,7 @@ pausing generation to resuming it; the longest of the engines').
 `collective-direct` is the collective path with `engine.collective_receive =
 "direct"` (loaded as received, generation paused for the transfer).
 
-    python -m load_tests.bench_weight_transfer [--sizes tiny,tail,size]
+    python -m research.bench_weight_transfer [--sizes tiny,tail,size]
         [--engines 1,2,4] [--paths grpc,file,collective,collective-direct] [--repeats 2]
         [--models DIR] [--report DIR]
 
@@ -309,7 +309,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from load_tests.interrupt import stop_on_sigterm
+    from research.interrupt import stop_on_sigterm
 
     stop_on_sigterm()
     threading.current_thread().name = "bench"

@@ -18,12 +18,12 @@ and fits `SimParams`' cost model by least squares
 and flat; the linear terms: fitted to the steps above it);
 
 then writes the fit (and the raw measurements) to a JSON file and prints it.
-Load tests use `load_tests/calibration/tiny_reasoner_cpu.json` for the
+Load tests use `research/calibration/tiny_reasoner_cpu.json` for the
 lower bound of real-engine runs; simulated fleets take the fit with
 `--sim decode_base_s=... --sim decode_per_seq_s=...`.
 
-    python -m load_tests.calibrate                       # the bundled tiny model, vLLM CPU, one core
-    python -m load_tests.calibrate --model DIR --out fit.json --dtype bfloat16   # e.g. on a GPU
+    python -m research.calibrate                       # the bundled tiny model, vLLM CPU, one core
+    python -m research.calibrate --model DIR --out fit.json --dtype bfloat16   # e.g. on a GPU
 
 With `--draft DIR` (or `bundled`) it then starts a second engine of the
 same model with that draft model attached and measures what speculation
@@ -37,9 +37,9 @@ costs and yields there:
 
 and fits `spec_draft_cost` and `spec_verify_cost` (the extra cost of a
 verify step over a K = 0 step, `sim.SimParams`) and `spec_acceptance` (the
-measured rates), which `load_tests run --cost-model` and `predict` use:
+measured rates), which `research run --cost-model` and `predict` use:
 
-    python -m load_tests.calibrate --model DIR --draft bundled --out fit.json
+    python -m research.calibrate --model DIR --draft bundled --out fit.json
 
 With `--draft ngram` the engine drafts without a model (n-gram prompt
 lookup matching a single token, on long random prompts, so that nearly
@@ -63,10 +63,10 @@ run: on a CPU they share the memory bus, and an engine alone may step
 faster than one of two. The fit is of the mean step times over the engines; the
 acceptance pools their drafts (each engine drafts on prompts of its own):
 
-    python -m load_tests.calibrate --model DIR --engines 2 --draft bundled --out fit.json
+    python -m research.calibrate --model DIR --engines 2 --draft bundled --out fit.json
 
 With `--service` it measures the same schedule through the rollout service:
-`--engines` vLLM engines behind the gRPC server, started as `load_tests run
+`--engines` vLLM engines behind the gRPC server, started as `research run
 --engine vllm` starts them, each shape B fixed-length requests per engine
 (`min_tokens` = `max_tokens`) sent by the real client, each step timed on
 the service's clock between the tokens of the request prefilled last. What
@@ -75,7 +75,7 @@ every token, the stream to the client, on the same cores) is then in the
 fit. Its engines are plain; the speculation terms are fitted to the draft
 measurements of another calibration (`--draft-from`, one with `--draft`):
 
-    python -m load_tests.calibrate --model DIR --service --engines 2 --draft-from fit.json --out served.json
+    python -m research.calibrate --model DIR --service --engines 2 --draft-from fit.json --out served.json
 """
 from __future__ import annotations
 
@@ -92,7 +92,7 @@ from pathlib import Path
 
 import numpy as np
 
-from load_tests import speed_reference
+from research import speed_reference
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "calibration" / "tiny_reasoner_cpu.json"
 
@@ -580,7 +580,7 @@ def side_by_side(args) -> dict:
     with tempfile.TemporaryDirectory(prefix="calibrate-") as tmp:
         procs, readers = [], []
         for i in range(args.engines):
-            cmd = [sys.executable, "-m", "load_tests.calibrate", *_child_args(args), "--cores", str(i % cores),
+            cmd = [sys.executable, "-m", "research.calibrate", *_child_args(args), "--cores", str(i % cores),
                    "--out", str(Path(tmp) / f"engine-{i}.json"), "--seed", str(args.seed + i),
                    "--barrier", tmp, "--index", str(i), "--of", str(args.engines)]
             env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_OMP_THREADS_BIND"}
@@ -611,7 +611,7 @@ def side_by_side(args) -> dict:
 
 async def _service_steps(args, model: str, vocab: int, max_len: int, batches: list[int]) -> dict:
     """`measure`'s schedule through the rollout service: N vLLM engines
-    behind the gRPC server, as `load_tests run --engine vllm` starts them
+    behind the gRPC server, as `research run --engine vllm` starts them
     (least-assigned placement, a batch cap of the largest batch), talked to
     by the real client. A shape of batch B puts B one-sample groups of fixed
     length (`min_tokens` = `max_tokens` = t2) on each engine at once; its
@@ -623,8 +623,8 @@ async def _service_steps(args, model: str, vocab: int, max_len: int, batches: li
     token."""
     import asyncio
 
-    from load_tests.policies import parse_policy
-    from load_tests.targets import FleetSpec, grpc_fleet
+    from research.policies import parse_policy
+    from research.targets import FleetSpec, grpc_fleet
     from trainer_client import PromptGroup
 
     rng = np.random.default_rng(args.seed)
@@ -772,7 +772,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="", help="model directory (default: the bundled tiny reasoner)")
     ap.add_argument("--out", default="", help=f"where to write the fit (JSON; default {DEFAULT_OUT.name} in "
-                                               "load_tests/calibration, with --refit the file refitted)")
+                                               "research/calibration, with --refit the file refitted)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--batches", default="1,2,4,8,16,32,64", help="running batch sizes to measure")
     ap.add_argument("--engines", type=int, default=1,
@@ -854,7 +854,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from load_tests.interrupt import stop_on_sigterm
+    from research.interrupt import stop_on_sigterm
 
     stop_on_sigterm()
     sys.exit(main())

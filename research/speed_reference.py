@@ -12,13 +12,13 @@ memory bus as a fleet's engines do). It reports the median milliseconds of
 a pass at each batch and their geometric mean (`ms`), the figure that is
 compared.
 
-A calibration (`load_tests.calibrate`) times it before and after it
+A calibration (`research.calibrate`) times it before and after it
 measures; a load-test run on real vLLM engines times it before each
 policy's fleet starts and after it stops. `predict` then scales the
 calibrated step costs by the ratio of the run's reference to the
 calibration's (`scale`), policy by policy and pass by pass.
 
-    python -m load_tests.speed_reference --model DIR --copies 2
+    python -m research.speed_reference --model DIR --copies 2
 """
 from __future__ import annotations
 
@@ -97,7 +97,7 @@ def measure(model: str, copies: int = 1, repeats: int = REPEATS) -> dict:
     if copies < 1:
         raise ValueError(f"copies must be >= 1, got {copies}")
     _weight_files(model)
-    cmd = [sys.executable, "-m", "load_tests.speed_reference", "--child", "--model", str(model),
+    cmd = [sys.executable, "-m", "research.speed_reference", "--child", "--model", str(model),
            "--repeats", str(repeats)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

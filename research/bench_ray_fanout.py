@@ -16,7 +16,7 @@ core calls it (all engines at once):
                 itself: the same tensors passed by value in every actor
                 call, so Ray serialises and ships one copy per engine.
 
-    python -m load_tests.bench_ray_fanout [--quick] [--report DIR]
+    python -m research.bench_ray_fanout [--quick] [--report DIR]
 """
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ import time
 
 import numpy as np
 
-from load_tests.bench_weight_push import state_dict
-from load_tests.report import save_json
+from research.bench_weight_push import state_dict
+from research.report import save_json
 from rollout_service.config import EngineConfig
 from rollout_service.engines.weights import StagedWeights, WeightTensor
 from rollout_service.factory import make_engines, model_info

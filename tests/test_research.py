@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from load_tests.__main__ import main
-from load_tests.runner import RunConfig, run_async, run_policy
+from research.__main__ import main
+from research.runner import RunConfig, run_async, run_policy
 from rollout_service.bench.workloads import GroupShape, Workload, load_workload
-from load_tests.policies import parse_policy
+from research.policies import parse_policy
 
 BASELINES = ["static", "least-assigned", "sticky-rr"]
 
@@ -160,7 +160,7 @@ def test_cli_rejects_an_unknown_policy_before_running():
 
 
 def test_workload_lists_keep_synthetic_parameters_together():
-    from load_tests.__main__ import split_workloads
+    from research.__main__ import split_workloads
 
     assert split_workloads("math, synthetic:median=300,sigma=1.2,code") == ["math", "synthetic:median=300,sigma=1.2", "code"]
 
@@ -181,7 +181,7 @@ def test_the_calibration_fits_a_memory_bound_floor_and_the_simulated_tail_pays_i
     `calibrate`'s fit recovers the floor and the linear terms above it, and
     a simulated fleet given the fit runs its tail at the floor: the same
     static run takes longer than with the linear terms alone."""
-    from load_tests.calibrate import fit
+    from research.calibrate import fit
 
     floor, base, per_seq, ctx = 0.045, 0.030, 0.0026, 1e-6
 
@@ -217,7 +217,7 @@ def test_the_calibration_fits_a_memory_bound_floor_and_the_simulated_tail_pays_i
 
 
 def test_a_calibration_through_the_service_takes_its_speculation_terms_from_a_draft_calibration(tmp_path):
-    from load_tests.calibrate import main as calibrate
+    from research.calibrate import main as calibrate
 
     with pytest.raises(SystemExit):
         calibrate(["--service", "--draft", "bundled"])  # the service's engines are plain
@@ -232,7 +232,7 @@ def test_the_draft_calibration_recovers_the_speculation_costs_it_was_measured_wi
     to verify steps measured against K = 0 steps of the same engine: steps
     built from known costs give those costs back, and the acceptance per
     position is the measured one."""
-    from load_tests.calibrate import fit_draft
+    from research.calibrate import fit_draft
 
     plain = {"decode_base_s": 0.076, "decode_per_seq_s": 0.0034}
     draft_cost, verify_cost, k = 0.03, 0.6, 4
@@ -264,7 +264,7 @@ def test_the_model_free_draft_calibration_prices_the_tokens_the_steps_drafted():
     the verified tokens, `spec_verify_cost`) per token the steps actually
     drafted, and leaves the acceptance to the run: steps built from known
     costs with 3.5 of K=4 tokens drafted give those costs back."""
-    from load_tests.calibrate import fit_draft
+    from research.calibrate import fit_draft
 
     plain = {"decode_base_s": 0.070, "decode_per_seq_s": 0.0026}
     machinery, verify_cost, k, drafted = 0.2, 0.8, 4, 3.5
@@ -364,7 +364,7 @@ def test_spec_overrides_set_the_depth_schedule_of_speculating_policies_only():
 def test_kv_load_sums_each_tokens_capped_context():
     import numpy as np
 
-    from load_tests.metrics import kv_load
+    from research.metrics import kv_load
 
     for P, L, cap in [(10, 50, 1000), (10, 50, 30), (100, 5, 50), (0, 7, 3)]:
         brute = sum(min(P + k, cap) for k in range(1, L + 1))
@@ -419,7 +419,7 @@ def test_the_bound_counts_a_small_kv_cache():
 
 
 def test_predictor_accuracy_reports_rank_correlations():
-    from load_tests.predictor_accuracy import measure
+    from research.predictor_accuracy import measure
 
     r = measure("code", 2, steps=2, groups_per_step=4, length_scale=0.05)
     assert r["placement"]["n"] == r["samples"] == 64
@@ -430,7 +430,7 @@ def test_predictor_accuracy_reports_rank_correlations():
 def test_noisy_length_references_rank_lengths_as_their_noise_says():
     from scipy import stats
 
-    from load_tests.oracle import NoisyLengthPredictor, true_length
+    from research.oracle import NoisyLengthPredictor, true_length
     from rollout_service.engines.types import SamplingParams
     from rollout_service.lifecycle.types import Group, GroupSpec, Request
 
@@ -447,7 +447,7 @@ def test_noisy_length_references_rank_lengths_as_their_noise_says():
 
 
 def test_information_plot_draws_both_panels_from_quick_runs(tmp_path):
-    from load_tests.information_plot import _ratios, plot
+    from research.information_plot import _ratios, plot
 
     horizon, noisy = tmp_path / "horizon", tmp_path / "noisy"
     assert main(["run", "--workload", "video", "--engines", "4", "--quick", "--quiet", "--no-plots",
@@ -701,7 +701,7 @@ def test_a_run_on_vllm_engines_times_the_host_speed_reference_around_each_policy
     host's speed reference before its fleet starts and after it stops, and
     `predict` with a calibration that timed one too scales that policy by
     the ratio of the two."""
-    from load_tests import speed_reference
+    from research import speed_reference
 
     out = tmp_path / "vllm-run"
     assert main(["run", "--workload", "tiny-reasoner", "--engine", "vllm", "--clock", "real", "--engines", "1",
@@ -763,7 +763,7 @@ def test_the_draft_calibration_measures_real_engines_side_by_side_with_a_draft_m
     the engines' mean steps, the acceptance pools both engines' drafts (on
     prompts of their own) as a rate per position, and the fit lands in
     `sim_params` for `run --cost-model`."""
-    from load_tests.calibrate import main as calibrate
+    from research.calibrate import main as calibrate
 
     out = tmp_path / "fit.json"
     assert calibrate(["--engines", "2", "--quick", "--draft", "bundled", "--batches", "1,4", "--verify-batches", "1,2",
@@ -807,7 +807,7 @@ def test_the_model_free_draft_calibration_measures_verify_steps_that_draft(tmp_p
     K=0 and verify steps on long prompts, where nearly every step finds a
     match and drafts, and the fit of what those drafts cost lands in
     `sim_params` for `predict` (no acceptance: the run's own)."""
-    from load_tests.calibrate import main as calibrate
+    from research.calibrate import main as calibrate
 
     out = tmp_path / "ngram.json"
     assert calibrate(["--quick", "--draft", "ngram", "--batches", "1,4", "--verify-batches", "1,4", "--repeats", "1",
@@ -832,7 +832,7 @@ def test_spec_tail_pace_per_sequence_does_not_depend_on_how_many_sequences_the_t
     """Two steps whose tail sequences all run at 12 tokens/s, one tail of 8
     sequences and one of 2: the tail's tokens/s differ 4x, its tokens per
     running sequence per second do not."""
-    from load_tests.spec_tail import tail_figures
+    from research.spec_tail import tail_figures
 
     def probe(bulk: int, tail: int, pace: float = 12.0, dt: float = 0.5):
         out, tokens, t = [], 0.0, 0.0
@@ -864,7 +864,7 @@ def test_a_benchmark_stopped_with_sigterm_stops_its_vllm_engines(own_vllm_engine
     # Many steps of a small workload on one engine: the signal lands while
     # steps are left to run, never while a finished run is already winding
     # down (which exits 0).
-    proc = subprocess.Popen([sys.executable, "-m", "load_tests.spec_tail", "--routes", "off", "--engines", "1",
+    proc = subprocess.Popen([sys.executable, "-m", "research.spec_tail", "--routes", "off", "--engines", "1",
                              "--steps", "40", "--warmup-steps", "0", "--groups", "1", "--samples", "2"],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
     try:
@@ -903,7 +903,7 @@ def test_a_benchmark_stopped_while_winding_down_still_exits_as_stopped():
     import sys
 
     code = ("import os, signal, time\n"
-            "from load_tests.interrupt import stop_on_sigterm\n"
+            "from research.interrupt import stop_on_sigterm\n"
             "stop_on_sigterm()\n"
             "try:\n"
             "    os.kill(os.getpid(), signal.SIGTERM)\n"
@@ -918,7 +918,7 @@ def test_a_benchmark_stopped_while_winding_down_still_exits_as_stopped():
 def test_the_adaptation_curve_refuses_an_unknown_drafter_before_starting_engines(capsys):
     """`drafter_adaptation --drafters` names the drafters side by side; a typo
     is refused with the valid names, before any engine starts."""
-    from load_tests.drafter_adaptation import main as adaptation
+    from research.drafter_adaptation import main as adaptation
 
     with pytest.raises(SystemExit):
         adaptation(["--drafters", "frozen,distilled"])
@@ -938,7 +938,7 @@ def test_the_adaptation_curve_refuses_an_eagle_head_taught_by_samples(tmp_path, 
     torch = pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM
 
-    from load_tests.drafter_adaptation import main as adaptation
+    from research.drafter_adaptation import main as adaptation
     from rollout_service.assets import tiny_model_path
     from rollout_service.drafter import eagle
 
@@ -957,7 +957,7 @@ def test_the_adaptation_curve_plots_every_kind_of_drafter_side_by_side(tmp_path)
     pytest.importorskip("matplotlib")
     from transformers import AutoModelForCausalLM
 
-    from load_tests.drafter_adaptation import plot
+    from research.drafter_adaptation import plot
     from rollout_service.assets import tiny_draft_path, tiny_model_path
     from rollout_service.drafter import eagle
 
@@ -976,7 +976,7 @@ def test_the_spec_tail_benchmark_refuses_an_eagle_route_without_a_head(tmp_path,
     """`spec_tail --routes eagle` needs `--eagle DIR` holding a head; without
     one, with a directory that is not a head, or with an unknown route, it is
     refused naming the flag before any engine starts."""
-    from load_tests.spec_tail import main as spec_tail
+    from research.spec_tail import main as spec_tail
 
     for argv, message in ((["--routes", "off,eagle"], "--eagle: the eagle route needs an EAGLE head directory"),
                           (["--routes", "eagle", "--eagle", str(tmp_path)], f"--eagle {str(tmp_path)!r}: not an EAGLE head"),
@@ -989,7 +989,7 @@ def test_the_spec_tail_benchmark_refuses_an_eagle_route_without_a_head(tmp_path,
 def test_the_drafter_capacity_study_refuses_a_malformed_grid(capsys):
     """`drafter_capacity --grid` takes LRxSTEPS points; anything else is
     refused with the expected form, before the policy drifts."""
-    from load_tests.drafter_capacity import main as capacity
+    from research.drafter_capacity import main as capacity
 
     for bad in ("3e-4", "1e-3x0", "fastx300"):
         with pytest.raises(SystemExit):
@@ -1003,7 +1003,7 @@ def test_the_relay_capacity_benchmark_relays_every_generated_token(tmp_path, cap
     relays every token the simulated engines generate (in the server's
     process, or in host processes whose CPU it counts apart) to the client,
     and reports each figure of its table (and the same rows as JSON)."""
-    from load_tests.relay_capacity import main as relay
+    from research.relay_capacity import main as relay
 
     rows = relay(["--quick", "--backend", backend, "--engines-per-host", "1", "--report", str(tmp_path)])
     assert rows == json.loads((tmp_path / "relay_capacity.json").read_text())

@@ -1,15 +1,15 @@
-"""`python -m load_tests run ...`: replay a workload against a fleet under
+"""`python -m research run ...`: replay a workload against a fleet under
 one or more policies and write a report.
 
-    python -m load_tests run --workload math --engines 32 \\
+    python -m research run --workload math --engines 32 \\
         --policy static,least-assigned,sticky-rr --clock virtual --report reports/math-32
 
 `--workload` and `--engines` also take comma-separated lists: every
 combination runs and gets its own folder DIR/<workload>-<engines>e/.
 
-    python -m load_tests table DIR            # markdown table of every report under DIR
-    python -m load_tests table DIR --speedup-over static   # speedups and ratios, one row per report
-    python -m load_tests predictor --workload math,code,video --engines 8
+    python -m research table DIR            # markdown table of every report under DIR
+    python -m research table DIR --speedup-over static   # speedups and ratios, one row per report
+    python -m research predictor --workload math,code,video --engines 8
                                               # length predictor's rank correlation on a replay
 """
 from __future__ import annotations
@@ -19,13 +19,13 @@ import json
 import sys
 from pathlib import Path
 
-from load_tests.report import (markdown_speedup_table, markdown_table, plot, pooled, pooled_table, table,
+from research.report import (markdown_speedup_table, markdown_table, plot, pooled, pooled_table, table,
                                write_json, write_measured)
-from load_tests.runner import RunConfig, check_passes, run_passes
+from research.runner import RunConfig, check_passes, run_passes
 from rollout_service.bench.workloads import WORKLOADS, load_workload
 from rollout_service.engines.sim import SimParams
-from load_tests.policies import parse_policies
-from load_tests.predict import ENSEMBLE, JITTER
+from research.policies import parse_policies
+from research.predict import ENSEMBLE, JITTER
 
 COST_FIELDS = ("decode_base_s", "decode_per_seq_s", "decode_per_ctx_token_s", "decode_floor_s", "prefill_per_token_s",
                "weight_update_s",
@@ -33,7 +33,7 @@ COST_FIELDS = ("decode_base_s", "decode_per_seq_s", "decode_per_ctx_token_s", "d
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m load_tests", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m research", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="run a workload under one or more policies")
@@ -74,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="[engine.spec] override for the policies that speculate, VALUE in JSON, e.g. "
                         "--spec 'schedule=[[1,2,3],[3,65536,0]]' --spec tune=false")
     r.add_argument("--cost-model", metavar="JSON",
-                   help="a calibration file (load_tests/calibrate.py) whose sim_params set the cost model; --sim overrides it")
+                   help="a calibration file (research/calibrate.py) whose sim_params set the cost model; --sim overrides it")
     r.add_argument("--quick", action="store_true", help="a small run: 2 steps of at most 8 groups, lengths x0.1")
     r.add_argument("--report", help="output directory (report.json, PNG plots)")
     r.add_argument("--no-plots", action="store_true")
@@ -87,10 +87,10 @@ def _parser() -> argparse.ArgumentParser:
                                        "predicted vs measured per policy")
     q.add_argument("dir", help="the report directory of a `run --engine vllm --report DIR`")
     q.add_argument("--cost-model", metavar="JSON", required=True,
-                   help="a calibration file (load_tests/calibrate.py) of the same engines")
+                   help="a calibration file (research/calibrate.py) of the same engines")
     q.add_argument("--sim", action="append", default=[], metavar="FIELD=VALUE", help="cost-model overrides")
     q.add_argument("--no-speed-scale", action="store_true",
-                   help="predict at the calibration's host speed, not at each run's (see load_tests/speed_reference.py)")
+                   help="predict at the calibration's host speed, not at each run's (see research/speed_reference.py)")
     q.add_argument("--ensemble", type=int, default=ENSEMBLE,
                    help="replays per policy, at engine costs spread evenly over +-JITTER; the prediction is their "
                         "mean (1: one replay at the calibrated costs)")
@@ -190,7 +190,7 @@ def run_one(args, workload_name: str, engines: int, out: Path | None) -> dict:
     if args.passes > 1:
         print(pooled_table(pooled([r.summary for r in results])), flush=True)
     config = {
-        "command": " ".join(["python -m load_tests", *sys.argv[1:]]),
+        "command": " ".join(["python -m research", *sys.argv[1:]]),
         "workload": workload_name, "engines": engines, "clock": args.clock, "engine": args.engine,
         "max_seqs": args.max_seqs, "kv_tokens": args.kv_tokens, "length_scale": workload.length_scale,
         "steps": len(workload.steps), "groups_per_step": workload.groups_per_step, "seed": args.seed,
@@ -204,7 +204,7 @@ def run_one(args, workload_name: str, engines: int, out: Path | None) -> dict:
     if out is not None:
         path = write_json(out, config, workload, results)
         if args.clock == "real":
-            print(f"measured traces: {write_measured(out, results)} (replay: python -m load_tests predict {out} "
+            print(f"measured traces: {write_measured(out, results)} (replay: python -m research predict {out} "
                   f"--cost-model FIT.json)", flush=True)
         if not args.no_plots:
             plot(out, workload, results, f"{workload.name}, {engines} engines")
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
             print(markdown_table(Path(args.dir)))
         return 0
     if args.command == "predict":
-        from load_tests import predict
+        from research import predict
 
         if args.spec and not args.what_if:
             raise SystemExit("predict: --spec goes with --what-if (a plain prediction replays the run's own --spec)")
@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"plot: {predict.plot(rows, Path(args.plot), f'{args.dir} predicted with {Path(args.cost_model).name}')}")
         return 0
     if args.command == "predictor":
-        from load_tests import predictor_accuracy
+        from research import predictor_accuracy
 
         return predictor_accuracy.main(args)
     workloads = split_workloads(args.workload)
@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from load_tests.interrupt import stop_on_sigterm
+    from research.interrupt import stop_on_sigterm
 
     stop_on_sigterm()
     sys.exit(main())

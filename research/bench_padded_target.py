@@ -2,8 +2,8 @@
 bundled drafter on vLLM CPU: is the padded target's batch-1 step memory-bound
 and >= 10x a draft step, while a large batch still pays?
 
-    python -m load_tests.bench_padded_target                      # the `tail` preset, batches 1 and 64
-    python -m load_tests.bench_padded_target --layers 6 --intermediate 24576 --report out/
+    python -m research.bench_padded_target                      # the `tail` preset, batches 1 and 64
+    python -m research.bench_padded_target --layers 6 --intermediate 24576 --report out/
 
 Each model runs in its own process on one vLLM CPU engine: float32,
 enforce_eager, VLLM_CPU_KVCACHE_SPACE=1, bound to core `--cores` (default 0,
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
               "repeats": args.repeats,
               "cores": args.cores, "load_average_before": load_before, "load_average_after": load_after,
               "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
-    from load_tests.report import save_json  # not at the top: workers run this file as a script
+    from research.report import save_json  # not at the top: workers run this file as a script
 
     path = save_json(args.report, "padded_target.json", report)
     if path is not None:
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from load_tests.interrupt import stop_on_sigterm
+    from research.interrupt import stop_on_sigterm
 
     stop_on_sigterm()
     sys.exit(main())

@@ -4,7 +4,7 @@
     real clock:    a `RolloutService` on loopback + `RolloutClient`
 
 Both run the same driver (`rollout_service.bench.driver`) and report the same metrics
-(`load_tests.metrics`).
+(`research.metrics`).
 """
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ from pathlib import Path
 
 import numpy as np
 
-from load_tests import multiturn, speed_reference
+from research import multiturn, speed_reference
 from rollout_service.bench import driver
-from load_tests.metrics import CostModel, Counters, FleetProbe, host_cpu, host_cpu_share, step_metrics, summarise
-from load_tests.targets import FleetSpec, grpc_fleet, in_process_fleet
+from research.metrics import CostModel, Counters, FleetProbe, host_cpu, host_cpu_share, step_metrics, summarise
+from research.targets import FleetSpec, grpc_fleet, in_process_fleet
 from rollout_service.bench.workloads import Workload
 from rollout_service.core.clock import run_virtual
 from rollout_service.drafter.drafter_trainer import DrafterTrainer

@@ -1,7 +1,7 @@
 """How well the length predictor ranks responses, at the moments the service
 uses it, on a replay.
 
-    python -m load_tests predictor --workload math,code,video --engines 8
+    python -m research predictor --workload math,code,video --engines 8
 
 Runs the replay in virtual time under a policy (default `rebalance`, whose
 placement and rebalancer ask the predictor) and records, for every sample,
@@ -22,10 +22,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from load_tests.runner import RunConfig, run_policy
+from research.runner import RunConfig, run_policy
 from rollout_service.bench.workloads import load_workload
-from load_tests.policies import parse_policy
-from load_tests.report import save_json
+from research.policies import parse_policy
+from research.report import save_json
 from rollout_service.lifecycle.types import Request
 from rollout_service.scheduling.length_predictor import LengthPredictor
 
@@ -160,7 +160,7 @@ def markdown(rows: list[dict]) -> str:
 
 
 def main(args) -> int:
-    from load_tests.__main__ import split_workloads
+    from research.__main__ import split_workloads
 
     rows = []
     for name in split_workloads(args.workload):

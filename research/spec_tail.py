@@ -3,8 +3,8 @@ with the frozen (bundled) drafter, with the online-trained drafter, with
 n-gram drafts, with drafts from sibling responses, and with an EAGLE head
 (`--eagle DIR`, built by `rollout-service build-eagle`).
 
-    python -m load_tests.spec_tail --report reports/spec-tail            # ~10 min on 2 cores
-    python -m load_tests.spec_tail --quick --report reports/spec-tail-quick
+    python -m research.spec_tail --report reports/spec-tail            # ~10 min on 2 cores
+    python -m research.spec_tail --quick --report reports/spec-tail-quick
 
 Each route gets a fresh fleet (2 engines, one core each, the bundled tiny
 reasoner) and runs the same tiny-reasoner GRPO steps: warm-up steps (their
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.steps, args.warmup_steps, args.groups, args.samples = 2, 1, min(args.groups, 8), min(args.samples, 4)
     workload = generate(args.steps, args.groups, seed=args.seed, samples_per_group=args.samples)
-    out = {"command": "python -m load_tests.spec_tail " + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
+    out = {"command": "python -m research.spec_tail " + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
            "model": Path(args.model).name if args.model else "tiny-reasoner",
            "engines": args.engines, "max_seqs": args.max_seqs, "steps": args.steps, "groups": args.groups,
            "samples": args.samples, "warmup_steps": args.warmup_steps, "max_tokens": workload.max_tokens, "tail_schedule": tail_schedule(args), "tune": args.tune,
@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from load_tests.interrupt import stop_on_sigterm
+    from research.interrupt import stop_on_sigterm
 
     stop_on_sigterm()
     raise SystemExit(main())

@@ -8,7 +8,7 @@ commit) side by side, and prints the journal's cost as the ratio. Each
 size runs `--repeats` pairs, alternating, and reports the median ratio and
 its range: one pair of 2-second runs moves by several percent on a busy host.
 
-    python -m load_tests.delivery_throughput [--quick] [--repeats N] [--report DIR]
+    python -m research.delivery_throughput [--quick] [--repeats N] [--report DIR]
 """
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from load_tests.interrupt import stop_on_sigterm
+    from research.interrupt import stop_on_sigterm
 
     stop_on_sigterm()
     main()

@@ -39,8 +39,8 @@ their front ends (`AsyncLLM` output processing) in the server's (or, with
 `--backend process`, in the hosts); demand and ideal are then unknown (`-`):
 the row is the server's CPU per token at the rate those engines generate.
 
-    python -m load_tests.relay_capacity [--engines 16,32,64] [--step-ms 20] [--backend process] [--report DIR]
-    python -m load_tests.relay_capacity --engine vllm --engines 2 --seqs 64 --tokens 256 --waves 2
+    python -m research.relay_capacity [--engines 16,32,64] [--step-ms 20] [--backend process] [--report DIR]
+    python -m research.relay_capacity --engine vllm --engines 2 --seqs 64 --tokens 256 --waves 2
 """
 from __future__ import annotations
 
@@ -187,7 +187,7 @@ async def measure(engines: int, seqs: int, tokens: int, step_s: float, waves: in
             "nice": nice}
     vllm = engine == "vllm"
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "load_tests.relay_capacity", "--serve", json.dumps(spec),
+        sys.executable, "-m", "research.relay_capacity", "--serve", json.dumps(spec),
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
     try:
         hello = await _line(proc.stdout, START_TIMEOUT_S)
@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    from load_tests.interrupt import stop_on_sigterm
+    from research.interrupt import stop_on_sigterm
 
     if "--serve" not in sys.argv:
         stop_on_sigterm()

@@ -22,7 +22,7 @@ import numpy as np
 
 from rollout_service.bench.driver import Completion, GroupRequest
 from rollout_service.bench.targets import DUMMY_STATE, GrpcTarget, completion
-from load_tests.policies import make_placement
+from research.policies import make_placement
 from rollout_service.config import EngineConfig, ServiceConfig
 from rollout_service.core.clock import Clock
 from rollout_service.core.rollout import RolloutCore

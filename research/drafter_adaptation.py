@@ -2,8 +2,8 @@
 length of a frozen drafter and of online-trained ones over successive policy
 versions, side by side on real vLLM CPU engines.
 
-    python -m load_tests.drafter_adaptation --drift rft --report reports/drafter-adaptation   # ~25 min
-    python -m load_tests.drafter_adaptation --quick --report reports/drafter-adaptation-quick
+    python -m research.drafter_adaptation --drift rft --report reports/drafter-adaptation   # ~25 min
+    python -m research.drafter_adaptation --quick --report reports/drafter-adaptation-quick
 
 One engine per drafter (`--drafters`, default all three) serves the bundled
 tiny reasoner and speculates at every batch size (K=3 unless `--k`, greedy
@@ -57,7 +57,7 @@ from pathlib import Path
 
 import numpy as np
 
-from load_tests.report import save_json
+from research.report import save_json
 
 # frozen, then the online drafters by what they learn from (`[engine.spec.trainer] teacher`).
 DRAFTERS = ("frozen", "samples", "policy")
@@ -363,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.versions, args.groups, args.max_tokens = min(args.versions, 3), min(args.groups, 16), min(args.max_tokens, 200)
     out = asyncio.run(run(args))
-    out["command"] = " ".join(["python -m load_tests.drafter_adaptation", *(sys.argv[1:] if argv is None else argv)])
+    out["command"] = " ".join(["python -m research.drafter_adaptation", *(sys.argv[1:] if argv is None else argv)])
     later = out["versions"][1:]
     if later:
         out["summary"] = {
@@ -380,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from load_tests.interrupt import stop_on_sigterm
+    from research.interrupt import stop_on_sigterm
 
     stop_on_sigterm()
     raise SystemExit(main())

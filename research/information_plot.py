@@ -1,7 +1,7 @@
 """One figure: how close to the lower bound the length-aware policies come
 as a function of what they know about response lengths.
 
-    python -m load_tests.information_plot --horizon reports/horizon \
+    python -m research.information_plot --horizon reports/horizon \
         --noisy reports/noisy-kv196k --out docs/figures/length_information.png
 
 Left: math and video at 8 engines, lengths revealed after N generated tokens
@@ -15,10 +15,10 @@ import argparse
 import json
 from pathlib import Path
 
-from load_tests.oracle import NOISE, REVEAL_AFTER
+from research.oracle import NOISE, REVEAL_AFTER
 
-# Rank correlation with the true length on the code trace for each S (load_tests/oracle.py),
-# and the service's predictor's at placement (`python -m load_tests predictor`, all steps).
+# Rank correlation with the true length on the code trace for each S (research/oracle.py),
+# and the service's predictor's at placement (`python -m research predictor`, all steps).
 NOISE_RHO = {0.25: 0.90, 0.5: 0.79, 1.0: 0.57}
 PREDICTOR_RHO = 0.15
 

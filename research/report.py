@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from load_tests.runner import RunResult, base_policy
+from research.runner import RunResult, base_policy
 from rollout_service.bench.workloads import Workload
 
 SCHEMA_VERSION = 1
@@ -58,7 +58,7 @@ def measured_dir(out: Path, policy: str) -> Path:
 def write_measured(out: Path, results: list[RunResult]) -> Path:
     """For runs in real time: what each policy's engines generated, as
     PolyTrace-format traces (`DIR/measured/<policy>/packed_lengths_step_K.jsonl`)
-    that `python -m load_tests predict` replays on simulated engines."""
+    that `python -m research predict` replays on simulated engines."""
     for r in results:
         d = measured_dir(out, r.policy)
         d.mkdir(parents=True, exist_ok=True)
@@ -166,7 +166,7 @@ def pooled_table(rows: dict[str, dict]) -> str:
 
 
 def multi_turn_table(results: list[RunResult]) -> str:
-    """The multi-turn figures (load_tests/multiturn.py), one row per policy;
+    """The multi-turn figures (research/multiturn.py), one row per policy;
     the speedup is each policy's step makespan against the first policy's."""
     head = (f"{'policy':<34} {'makespan s':>11} {'speedup':>8} {'bound s':>8} {'x bound':>8} {'cache hit':>10} "
             f"{'idle/tools':>11} {'trained tok/s':>14} {'moves':>6} {'delivered':>11}")

@@ -2,7 +2,7 @@
 over loopback, with engines killed at random intervals. Reports samples
 lost and duplicated (goal: 0 and 0) and the server's memory over time.
 
-    python -m load_tests.soak --minutes 30 --kill-every 60 [--engine sim|vllm] [--report DIR]
+    python -m research.soak --minutes 30 --kill-every 60 [--engine sim|vllm] [--report DIR]
 
 Kills: a vLLM engine's engine-core process gets SIGKILL; a simulated engine
 is closed under its requests. Either way the core re-queues the partial
@@ -125,7 +125,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from load_tests.interrupt import stop_on_sigterm
+    from research.interrupt import stop_on_sigterm
 
     stop_on_sigterm()
     main()

@@ -1,9 +1,9 @@
 """The load tests' policy vocabulary: the service's placements and
-mechanisms, plus the clairvoyant reference placements (load_tests/oracle.py)
+mechanisms, plus the clairvoyant reference placements (research/oracle.py)
 and the drafter's speculation mechanisms."""
 from __future__ import annotations
 
-from load_tests.oracle import ORACLE_PLACEMENTS
+from research.oracle import ORACLE_PLACEMENTS
 from rollout_service.drafter.mechanisms import SPEC_MECHANISMS
 from rollout_service.scheduling import placement as _placement
 from rollout_service.scheduling import policy as _policy

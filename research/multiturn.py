@@ -39,8 +39,8 @@ from __future__ import annotations
 import numpy as np
 
 from rollout_service.bench.driver import StepRecord
-from load_tests.metrics import CostModel, Counters, FleetProbe
-from load_tests.trace_env import NAME as ENV_NAME, TraceEnvironment
+from research.metrics import CostModel, Counters, FleetProbe
+from research.trace_env import NAME as ENV_NAME, TraceEnvironment
 from rollout_service.bench.workloads import TrajectoryShape, Workload
 
 __all__ = ["ENV_NAME", "PROBE_INTERVAL_S", "environment", "longest_response", "step_metrics", "summarise"]

@@ -1,20 +1,20 @@
 """Predicted vs measured: a run on real engines replayed on simulated ones.
 
-    python -m load_tests run --engine vllm --clock real ... --report reports/measured
-    python -m load_tests predict reports/measured --cost-model fit.json
+    python -m research run --engine vllm --clock real ... --report reports/measured
+    python -m research predict reports/measured --cost-model fit.json
 
 A `run` in real time (real engines, or simulated ones on the real clock)
 writes, next to its report, what each policy's
 engines generated (`measured/<policy>/packed_lengths_step_*.jsonl`: every
 group's prompt length and response lengths). `predict` replays each
 policy's own trace in virtual time on simulated engines with the
-calibrated cost model (`load_tests.calibrate`), the same fleet, batch cap,
+calibrated cost model (`research.calibrate`), the same fleet, batch cap,
 over-provisioning, lag bound and trainer stand-in, and the weight push the
 measured run took per step (the calibration does not model pushes), then
 prints per policy the measured and predicted step makespan, RL step time
 and complete groups per second, with the error of each prediction.
 
-    python -m load_tests predict reports/measured --cost-model fit.json --what-if partial,rebalance+partial+spec
+    python -m research predict reports/measured --cost-model fit.json --what-if partial,rebalance+partial+spec
 
 replays every measured trace under each named policy instead (`what_if`):
 what they would have made of the lengths the engines sampled, the noise of
@@ -37,10 +37,10 @@ from pathlib import Path
 
 import numpy as np
 
-from load_tests import speed_reference
-from load_tests.policies import parse_policy
-from load_tests.report import measured_dir, pooled
-from load_tests.runner import RunConfig, base_policy, run_policy
+from research import speed_reference
+from research.policies import parse_policy
+from research.report import measured_dir, pooled
+from research.runner import RunConfig, base_policy, run_policy
 from rollout_service.bench.workloads import polytrace
 
 # A verified draft token costs one more sequence of the calibrated batch.

@@ -1,7 +1,7 @@
 """Rollout throughput through the service vs vLLM driven directly, on the
 same engines with the same prompts and seeds (so both produce the same tokens).
 
-    python -m load_tests.bench_vllm_throughput [--groups 32] [--samples 8] [--max-tokens 256]
+    python -m research.bench_vllm_throughput [--groups 32] [--samples 8] [--max-tokens 256]
 
 The service path is the whole product: gRPC Submit, placement, the engine
 protocol, version tagging, the delivery log, gRPC streaming to a client.
@@ -58,7 +58,7 @@ async def run(args) -> dict:
             async def one(engine, i, j, p):
                 nonlocal direct_tokens
                 sp = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, seed=1000 * i + j, logprobs=0)
-                async for out in engine._llm.generate(TokensPrompt(prompt_token_ids=p), sp, f"direct-{rnd}-{i}-{j}"):
+                async for out in engine.async_llm.generate(TokensPrompt(prompt_token_ids=p), sp, f"direct-{rnd}-{i}-{j}"):
                     if out.finished:
                         direct_tokens += len(out.outputs[0].token_ids)
 
@@ -102,7 +102,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from load_tests.interrupt import stop_on_sigterm
+    from research.interrupt import stop_on_sigterm
 
     stop_on_sigterm()
     main()

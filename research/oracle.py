@@ -97,5 +97,5 @@ def _oracle_placements() -> dict:
     return table
 
 
-#: Passed to `make_placement(name, extra=ORACLE_PLACEMENTS)` and the policy parser (load_tests/policies.py).
+#: Passed to `make_placement(name, extra=ORACLE_PLACEMENTS)` and the policy parser (research/policies.py).
 ORACLE_PLACEMENTS = _oracle_placements()

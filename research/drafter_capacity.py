@@ -3,7 +3,7 @@ all the training it wants? Offline, no engines: the per-token acceptance a
 drafter reaches on held-out samples of a drifted policy, against what a
 perfect drafter would reach, for several distillation budgets.
 
-    python -m load_tests.drafter_capacity --report reports/drafter-capacity   # ~25 min on 2 CPU cores
+    python -m research.drafter_capacity --report reports/drafter-capacity   # ~25 min on 2 CPU cores
 
 1. The bundled reasoner drifts as in `drafter_adaptation --drift shifted`:
    `--versions` x `--policy-steps` optimizer steps on the reference
@@ -38,7 +38,7 @@ import time
 
 import numpy as np
 
-from load_tests.report import save_json
+from research.report import save_json
 
 MAX_LEN = 1024
 
@@ -92,7 +92,7 @@ def run(args) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from load_tests.drafter_adaptation import _fine_tune
+    from research.drafter_adaptation import _fine_tune
     from rollout_service.assets import tiny_draft_path, tiny_model_path
     from rollout_service.drafter import eagle
     from rollout_service.drafter.eagle import tokens_per_verify
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.eagle_depth < 1:
         p.error(f"--eagle-depth must be at least 1; got {args.eagle_depth}")
     out = run(args)
-    out["command"] = " ".join(["python -m load_tests.drafter_capacity", *(sys.argv[1:] if argv is None else argv)])
+    out["command"] = " ".join(["python -m research.drafter_capacity", *(sys.argv[1:] if argv is None else argv)])
     print(json.dumps({r["drafter"] + (f" lr {r['lr']:g} x {r['steps']}" if "lr" in r else ""):
                       [round(r["greedy"], 3), round(r["sampled"], 3)] for r in out["rows"]}, indent=1))
     path = save_json(args.report, "drafter_capacity.json", out)

@@ -22,7 +22,7 @@ beside the rest, and the number of processes does not change the server's
 per-sample work (one stream per actor, one `add` per request). Sampling
 lengths are short so that the server, not the engines, is what is loaded.
 
-    python -m load_tests.ray_scale [--engines 8,16,32,64,128,256] [--seconds 10] [--report DIR]
+    python -m research.ray_scale [--engines 8,16,32,64,128,256] [--seconds 10] [--report DIR]
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from load_tests.report import save_json
+from research.report import save_json
 
 ACTORS = 8
 SIM = {"decode_base_s": 0.004, "decode_per_seq_s": 0.00015, "length_median": 24, "length_sigma": 0.5,
@@ -128,7 +128,7 @@ async def measure(num_engines: int, in_flight: int, warmup_s: float, seconds: fl
     fd, name = tempfile.mkstemp(prefix="ray-scale-", suffix=".json")
     os.close(fd)
     out = Path(name)
-    client = subprocess.Popen([sys.executable, "-m", "load_tests.ray_scale", "--trainer", f"127.0.0.1:{service.grpc_port}",
+    client = subprocess.Popen([sys.executable, "-m", "research.ray_scale", "--trainer", f"127.0.0.1:{service.grpc_port}",
                                "--in-flight", str(in_flight), "--out", str(out)])
     probe = asyncio.create_task(lag_probe())
     import psutil

@@ -16,7 +16,7 @@ messages to a process that only counts them ("raw": gRPC's own cost). With
 longest gap between its token deltas across a cell's pushes ("token gap ms":
 the usual gap), i.e. how long generation waited on the push.
 
-    python -m load_tests.bench_weight_push [--quick] [--report DIR]
+    python -m research.bench_weight_push [--quick] [--report DIR]
         [--no-matrix] [--matrix-gib 1] [--chunks-mb 1,4,8,16] [--repeats 2]
         [--checksums none,xxh3,sha256] [--digests trailer|header|both] [--stall]
 """
@@ -365,7 +365,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from load_tests.interrupt import stop_on_sigterm
+    from research.interrupt import stop_on_sigterm
 
     stop_on_sigterm()
     main()

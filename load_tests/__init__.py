@@ -1,1 +1,0 @@
-"""Load tests and benchmarks of the rollout service."""
