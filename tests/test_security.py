@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import datetime
 
 import grpc
 import numpy as np
@@ -12,7 +11,7 @@ from rollout_proto import rollout_pb2 as pb
 from rollout_service.service import RolloutService
 from trainer_client import PromptGroup, RolloutClient
 
-from helpers import collect, sim_config, unique
+from helpers import collect, self_signed, sim_config, unique
 
 SUBMIT, WEIGHTS = "submit-secret-1", "weights-secret-2"
 
@@ -106,33 +105,12 @@ async def test_stalled_weight_push_is_abandoned_and_old_version_serves(secured):
         await _submit_ok(c)
 
 
-def _self_signed(tmp_path):
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(1).not_valid_before(now - datetime.timedelta(days=1))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]), critical=False)
-            .sign(key, hashes.SHA256()))
-    cert_file, key_file = tmp_path / "cert.pem", tmp_path / "key.pem"
-    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-    return str(cert_file), str(key_file)
-
-
 async def test_tls_serves_grpc_and_http(tmp_path):
     import ssl
 
     import aiohttp
 
-    cert, key = _self_signed(tmp_path)
+    cert, key = self_signed(tmp_path)
     cfg = sim_config(num_engines=1)
     cfg.tls.cert_file, cfg.tls.key_file = cert, key
     service = RolloutService(cfg)
