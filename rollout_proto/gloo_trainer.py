@@ -11,6 +11,7 @@ beside the engines' receiving side. `client` is any `VLLMWeightSyncClient`
 """
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -64,19 +65,31 @@ class GlooTrainerWeightTransferEngine:
         payload = {"master_address": init_info.master_address, "master_port": init_info.master_port,
                    "rank_offset": 1, "world_size": init_info.world_size, "timeout_s": init_info.timeout_s,
                    "chunk_bytes": init_info.chunk_bytes, "mode": init_info.mode}
-        # The store first (the receivers reach it at once), then the receivers
-        # join (they block until every rank has) while this rank joins too.
+        # The store first (the receivers reach it at once), then this rank
+        # joins while the receivers are told to (they block until every rank
+        # has). A refusal of the init call ends the wait at once with the
+        # service's reason; the join, which cannot complete then, is left to
+        # its timeout in a daemon thread.
         engine.store = wire.open_store(init_info.master_address, init_info.master_port, 0, init_info.world_size,
                                        init_info.timeout_s)
-        with ThreadPoolExecutor(max_workers=1) as exe:
-            future = exe.submit(client.init_weight_transfer_engine, payload)
+        joined: dict = {}
+
+        def join() -> None:
             try:
-                engine.group = wire.group_on(engine.store, "gloo", init_info.master_address, 0,
-                                             init_info.world_size, init_info.timeout_s)
-            except BaseException:
-                future.result()  # the service's reason first, if it has one
-                raise
-            future.result()
+                joined["group"] = wire.group_on(engine.store, "gloo", init_info.master_address, 0,
+                                                init_info.world_size, init_info.timeout_s)
+            except BaseException as exc:  # re-raised below, in the caller's thread
+                joined["error"] = exc
+
+        joiner = threading.Thread(target=join, name="gloo-trainer-join", daemon=True)
+        joiner.start()
+        client.init_weight_transfer_engine(payload)
+        joiner.join(init_info.timeout_s + 30)
+        if "error" in joined:
+            raise joined["error"]
+        if "group" not in joined:
+            raise TimeoutError(f"the weight-transfer group did not form within {init_info.timeout_s:g} s")
+        engine.group = joined["group"]
         return engine
 
     def send_weights(self) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import free_port, running, sim_config
+from helpers import free_port, running, self_signed, sim_config
 from rollout_service.bench.run import BenchOptions, run_bench
 from rollout_service.bench.targets import TargetError
 from rollout_service.cli import main
@@ -169,11 +169,41 @@ async def test_a_target_of_the_wrong_kind_is_named(tmp_path):
             assert ("not gRPC" if scheme == "grpc" else "a gRPC port?") in str(info.value)
 
 
+async def test_weight_pushes_over_http_go_through_vllms_weight_routes_to_every_engine():
+    """`--push-bytes` against the side server: the bench, as a trainer on
+    vLLM's weight-transfer routes, forms one group with both engines and
+    pushes after each step; every engine serves each pushed version and each
+    push's stall shows in its step."""
+    async with running(sim_config(num_engines=2)) as service:
+        before = service.core.policy_version
+        doc = await bench(service, "http", quick=True, need_groups=4, train_s=0.05, push_bytes=1 << 20)
+        after = service.core.policy_version
+        assert {e.load().policy_version for e in service.core.engines.values()} == {after}
+        assert service.core.collective.plan_in_force is None  # the bench left its group at the end
+    assert_complete(doc)
+    assert after == before + doc["summary"]["steps"]
+    assert all(p["weight_push_s"] > 0 and p["train_s"] >= 0.05 for p in doc["summary"]["per_step"])
+
+
+async def test_a_push_the_target_refuses_fails_before_the_run_naming_the_route_and_why():
+    """A weight route that refuses the bench's token: the run stops in
+    seconds, naming the route and the server's reason, and nothing was
+    submitted."""
+    cfg = sim_config(num_engines=1)
+    cfg.auth.submit_tokens, cfg.auth.weights_tokens = ["subm1t"], ["w3ights"]
+    async with running(cfg) as service:
+        with pytest.raises(TargetError, match="group .* did not form .*POST /init_weight_transfer_engine: 40[13]: "):
+            await bench(service, "http", quick=True, push_bytes=4096, token="subm1t", weights_token="wrong")
+        assert service.core.counters["groups_submitted"] == 0
+
+
 def test_bad_flags_are_refused_naming_them(capsys):
     assert main(["bench", "--target", "localhost:50051"]) == 2
     assert "--target must be grpc://HOST:PORT" in capsys.readouterr().err
     assert main(["bench", "--target", "http://127.0.0.1:1", "--workload", "search-r1", "--quick"]) == 2
     assert "--workload search-r1 is multi-turn: it replays over grpc:// only" in capsys.readouterr().err
+    assert main(["bench", "--target", "http://127.0.0.1:1", "--mode", "open", "--rate", "5", "--push-bytes", "64"]) == 2
+    assert "--push-bytes pushes after each step: it needs --mode closed" in capsys.readouterr().err
 
 
 async def test_compare_prints_two_reports_side_by_side(tmp_path, capsys):
@@ -227,9 +257,7 @@ def test_a_malformed_prompt_file_is_refused_naming_the_line(tmp_path, capsys):
 
 
 async def test_a_service_with_tokens_and_tls_is_benched_with_token_and_ca_and_refuses_a_wrong_token(tmp_path):
-    from test_security import _self_signed
-
-    cert, key = _self_signed(tmp_path)
+    cert, key = self_signed(tmp_path)
     cfg = sim_config(num_engines=1)
     cfg.tls.cert_file, cfg.tls.key_file = cert, key
     cfg.auth.submit_tokens = ["s3cret"]

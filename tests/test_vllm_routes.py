@@ -12,6 +12,7 @@ import pytest
 
 from helpers import connect, running, sim_config, wait_until
 from trainer_client import PromptGroup
+from trainer_client.collective import HttpControl
 
 SLOW_SIM = {"decode_base_s": 0.01, "decode_per_seq_s": 0.0, "length_median": 24, "length_sigma": 0.6,
             "prefix_cache": True}
@@ -336,37 +337,12 @@ async def test_bad_values_are_400_in_vllms_error_shape_naming_the_field(fleet, m
     assert await _call(fleet.http_port, "GET", "/is_paused") == (200, {"is_paused": False})  # still serving
 
 
-class HttpWeightSync:
-    """vLLM's `VLLMWeightSyncClient` protocol over the weight-transfer
-    routes, as `vllm.distributed.weight_transfer.clients.HTTPVLLMWeightSyncClient`
-    speaks it (that one drives vLLM engines in test_vllm_routes_engines.py;
-    importing it imports vLLM)."""
-
-    def __init__(self, base_url: str) -> None:
-        self.base_url = base_url
-
-    def _post(self, path: str, body: dict | None = None) -> None:
-        import requests
-
-        requests.post(f"{self.base_url}/{path}", json=body, timeout=60).raise_for_status()
-
-    def init_weight_transfer_engine(self, init_info: dict) -> None:
-        self._post("init_weight_transfer_engine", {"init_info": init_info})
-
-    def start_weight_update(self) -> None:
-        self._post("start_weight_update")
-
-    def update_weights(self, update_info: dict) -> None:
-        self._post("update_weights", {"update_info": update_info})
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self._post("finish_weight_update", {"weight_version": weight_version} if weight_version else None)
-
-
-async def _push_over_routes(port: int, state_dict: dict, client: type = HttpWeightSync, group_timeout_s: float = 30,
+async def _push_over_routes(port: int, state_dict: dict, client: type = HttpControl, group_timeout_s: float = 30,
                             timeout_s: float = 120) -> int:
     """One push by the gloo trainer engine over the routes (through
-    `client`, an HttpWeightSync); the bytes it sent."""
+    `client`, vLLM's HTTP weight-sync protocol as `trainer_client.collective.
+    HttpControl` speaks it: importing vLLM's own client imports vLLM, which
+    test_vllm_routes_engines.py does); the bytes it sent."""
     from rollout_proto.gloo_trainer import GlooTrainerInitInfo, GlooTrainerWeightTransferEngine
     from trainer_client.collective import StateDictSource, free_port
 
@@ -416,7 +392,7 @@ async def test_weight_transfer_routes_push_once_to_every_engine_and_the_version_
     assert fleet.core.collective.plan_in_force is None
 
 
-class NeverFinishes(HttpWeightSync):
+class NeverFinishes(HttpControl):
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         pass  # a trainer that died between update_weights and finish_weight_update
 

@@ -125,11 +125,12 @@ def free_port(address: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def trainer_engine(init_info, control: ServiceControl, source: StateDictSource):
+def trainer_engine(init_info, control, source: StateDictSource):
     """vLLM's `WeightTransferTrainerFactory.trainer_init` for the init
-    info's backend (gloo registered here if this process has not yet). For
-    gloo in a process that has not loaded vLLM (importing it costs seconds),
-    or without vLLM, the same gloo engine directly."""
+    info's backend (gloo registered here if this process has not yet),
+    driven through `control` (`ServiceControl` or `HttpControl`). For gloo
+    in a process that has not loaded vLLM (importing it costs seconds), or
+    without vLLM, the same gloo engine directly."""
     if init_info.backend == "gloo" and "vllm.distributed.weight_transfer.factory" not in sys.modules:
         return GlooTrainerWeightTransferEngine.trainer_init(init_info, client=control, source=source)
     try:
@@ -143,15 +144,70 @@ def trainer_engine(init_info, control: ServiceControl, source: StateDictSource):
     return WeightTransferTrainerFactory.trainer_init(init_info, client=control, source=source)
 
 
-def init_info_for(plan: pb.WeightTransferPlan, address: str, port: int, timeout_s: float, chunk_bytes: int,
-                  mode: str):
-    if plan.backend == "gloo":
-        return GlooTrainerInitInfo(address, port, plan.world_size, timeout_s, chunk_bytes, mode)
-    if plan.backend == "nccl":
+def init_info_for(backend: str, world_size: int, address: str, port: int, timeout_s: float,
+                  chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES, mode: str = "chain"):
+    """The trainer's (rank 0's) init info of `backend` for a group of
+    `world_size` ranks whose store listens at `address`:`port`."""
+    if backend == "gloo":
+        return GlooTrainerInitInfo(address, port, world_size, timeout_s, chunk_bytes, mode)
+    if backend == "nccl":
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
-        return NCCLTrainerInitInfo(master_address=address, master_port=port, world_size=plan.world_size, rank=0)
-    raise ValueError(f"unknown backend {plan.backend!r}")
+        return NCCLTrainerInitInfo(master_address=address, master_port=port, world_size=world_size, rank=0)
+    raise ValueError(f"unknown backend {backend!r}")
+
+
+class HttpControl:
+    """`VLLMWeightSyncClient` over vLLM's weight-transfer HTTP routes
+    (`vllm serve`'s, or the service's side server's), as vLLM's
+    `HTTPVLLMWeightSyncClient` speaks them, without importing vLLM. A call
+    the server refuses raises RuntimeError naming the route, the status and
+    the server's message."""
+
+    def __init__(self, base_url: str, token: str | None = None, timeout_s: float = 300.0,
+                 tls_ca_file: str | None = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.headers = {"Content-Type": "application/json"}
+        if token:
+            self.headers["Authorization"] = f"Bearer {token}"
+        self.timeout_s = timeout_s
+        self.tls_ca_file = tls_ca_file
+
+    def _post(self, path: str, body: dict | None = None) -> None:
+        import ssl
+        import urllib.error
+        import urllib.request
+
+        request = urllib.request.Request(f"{self.base_url}/{path}", method="POST", headers=self.headers,
+                                         data=json.dumps(body).encode() if body is not None else b"")
+        ctx = ssl.create_default_context(cafile=self.tls_ca_file) if self.tls_ca_file else None
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s, context=ctx) as response:
+                response.read()
+        except urllib.error.HTTPError as exc:
+            raw = exc.read().decode(errors="replace")
+            try:
+                message = json.loads(raw)["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = raw[:300]
+            raise RuntimeError(f"POST /{path}: {exc.code}: {message}") from None
+        except OSError as exc:  # URLError, a refused connection, a timeout
+            raise RuntimeError(f"POST /{path}: {getattr(exc, 'reason', exc)}") from None
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self._post("init_weight_transfer_engine", {"init_info": init_info})
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._post("shutdown_weight_transfer_engine")
+
+    def start_weight_update(self) -> None:
+        self._post("start_weight_update")
+
+    def update_weights(self, update_info) -> None:
+        self._post("update_weights", {"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._post("finish_weight_update", {"weight_version": weight_version} if weight_version is not None else None)
 
 
 def device_pb(device: RankDevice) -> pb.TransferDevice:
@@ -202,7 +258,8 @@ class CollectiveGroup:
         self.control = ServiceControl(self._stub, self._md, asyncio.get_running_loop(), self.plan.backend,
                                       self.timeout_s)
         self.control.device = device
-        info = init_info_for(self.plan, self.address, port, self.timeout_s, self.chunk_bytes, self.mode)
+        info = init_info_for(self.plan.backend, self.plan.world_size, self.address, port, self.timeout_s,
+                             self.chunk_bytes, self.mode)
         self.engine = await asyncio.to_thread(trainer_engine, info, self.control, self.source)
 
     async def push(self, state_dict: Mapping[str, Any], version: int) -> tuple[int, float, int]:

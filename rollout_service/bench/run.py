@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 
 from rollout_service.bench import driver, report
 from rollout_service.bench.prompts import is_prompt_file, load_prompt_file
-from rollout_service.bench.targets import TargetError, connect_grpc, connect_http
+from rollout_service.bench.targets import HttpWeightPush, TargetError, connect_grpc, connect_http
 from rollout_service.bench.workloads import WORKLOADS, GroupShape, Workload, load_workload, scaled
 
 DEFAULT_VOCAB = 64  # prompt ids in [3, 64) are tokens of any model; --vocab-size widens them
@@ -46,6 +46,8 @@ class BenchOptions:
     need_groups: int | None = None
     train_s: float = 0.0
     push_bytes: int = 0
+    weights_token: str | None = None
+    push_address: str | None = None
     length_scale: float = 1.0
     lengths: str = "trace"
     vocab_size: int = 0
@@ -180,8 +182,8 @@ async def run_bench(opts: BenchOptions, out=sys.stdout) -> dict:
     kind, address = parse_target(opts.target)
     if opts.mode == "open" and opts.rate <= 0:
         raise ValueError("--mode open needs --rate > 0 (groups per second)")
-    if opts.push_bytes and (kind != "grpc" or opts.mode != "closed"):
-        raise ValueError("--push-bytes needs a grpc:// target in the closed loop (the weight route is rollout.v1's)")
+    if opts.push_bytes and opts.mode != "closed":
+        raise ValueError("--push-bytes pushes after each step: it needs --mode closed")
     w = resolve_workload(opts)
     if w.multi_turn and kind != "grpc":
         raise ValueError(f"--workload {opts.workload} is multi-turn: it replays over grpc:// only (the bench answers "
@@ -201,6 +203,15 @@ async def run_bench(opts: BenchOptions, out=sys.stdout) -> dict:
                                                    max_concurrency=opts.max_concurrency,
                                                    request_timeout_s=opts.request_timeout_s)
         model, max_len = info["id"], opts.max_model_len or info["max_model_len"]
+        if opts.push_bytes:  # the weight-transfer group forms now: a target that cannot fails before the run
+            target.weight_push = HttpWeightPush(session, address, opts.push_bytes, opts.weights_token or opts.token,
+                                                opts.tls_ca, opts.push_address, timeout_s=opts.connect_timeout_s * 12)
+            try:
+                await target.weight_push.prepare()
+            except BaseException:
+                await target.close()
+                await session.close()
+                raise
     vocab = opts.vocab_size or w.vocab_size or DEFAULT_VOCAB
     target.vocab_size = vocab  # multi-turn: the observations' ids
     run_id = f"bench-{uuid.uuid4().hex[:8]}"
@@ -239,7 +250,7 @@ async def run_bench(opts: BenchOptions, out=sys.stdout) -> dict:
             await client.close()
     summary = report.summarise(records, target, expected or None, dups)
     summary["fleet"] = report.fleet(polls, records, opts.status_every_s) if polls else None
-    config = {k: v for k, v in asdict(opts).items() if k != "token"}
+    config = {k: v for k, v in asdict(opts).items() if k not in ("token", "weights_token")}
     config.update(model=model, lengths=_lengths_statement(kind, opts.lengths, exact), vocab_size=vocab,
                   prompt_ids=f"made up in [3, {vocab})" if not any(g.prompt_token_ids or g.prompt_text
                                                                    for s in w.steps for g in s) else "the workload's",
@@ -279,8 +290,12 @@ def add_parser(sub) -> None:
     p.add_argument("--need-groups", type=int, help="closed loop: groups a step waits for (the rest are "
                                                    "collected after the last step)")
     p.add_argument("--train-s", type=float, default=0.0, help="closed loop: trainer stand-in seconds per step")
-    p.add_argument("--push-bytes", type=int, default=0, help="closed loop, grpc: push a tensor of this many bytes "
-                                                             "after each step (the weight push's stall shows)")
+    p.add_argument("--push-bytes", type=int, default=0, help="closed loop: push a tensor of this many bytes after "
+                                                             "each step (the weight push's stall shows); http: "
+                                                             "through vLLM's weight-transfer routes")
+    p.add_argument("--weights-token", help="http: bearer token of the weight routes (default: --token)")
+    p.add_argument("--push-address", help="http: this host's address the target's engines reach for the "
+                                          "weight-transfer group (default: the route to the target)")
     p.add_argument("--lengths", choices=["trace", "free"], default="trace",
                    help="trace: ask for the workload's response lengths; free: the model decides (up to the cap)")
     p.add_argument("--length-scale", type=float, default=1.0, help="multiply prompt and response lengths")

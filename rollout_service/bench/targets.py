@@ -270,8 +270,10 @@ class HttpTarget:
     here (`ttft_s`, `itl_s`: seconds)."""
 
     def __init__(self, session, base_url: str, model: str, exact_lengths: bool = True, stream: bool = True,
-                 max_concurrency: int = 512, request_timeout_s: float = 600.0) -> None:
+                 max_concurrency: int = 512, request_timeout_s: float = 600.0,
+                 weight_push: "HttpWeightPush | None" = None) -> None:
         self.session = session
+        self.weight_push = weight_push
         self.url = base_url.rstrip("/") + "/v1/completions"
         self.model = model
         self.exact_lengths = exact_lengths
@@ -374,12 +376,109 @@ class HttpTarget:
             yield await self._done.get()
 
     async def push_weights(self, version: int) -> None:
-        raise ValueError("an OpenAI-compatible target has no weight route here: --push-bytes needs a grpc:// target")
+        if self.weight_push is None:
+            raise ValueError("no --push-bytes: this run pushes no weights")
+        await self.weight_push.push()
 
     async def close(self) -> None:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.weight_push is not None:
+            await self.weight_push.close()
+
+
+class HttpWeightPush:
+    """`--push-bytes` over an http target: vLLM's weight-transfer routes
+    (`/init_weight_transfer_engine` once, then `/start_weight_update`,
+    `/update_weights`, `/finish_weight_update` per push), the bench as the
+    trainer, rank 0 of the group, sending one uint8 tensor of `push_bytes`
+    bytes. The target's `/server_info` names its backend: gloo is sent from
+    here; nccl needs vLLM and a GPU in the bench's process. A served model
+    takes only its own tensors, so made-up bytes fit a fleet of simulated
+    engines, whose models have none; a refusal ends the run naming it."""
+
+    TENSOR = "bench.push"
+
+    def __init__(self, session, base_url: str, push_bytes: int, token: str | None, tls_ca_file: str | None,
+                 address: str | None = None, timeout_s: float = 120.0) -> None:
+        self.session = session
+        self.base_url = base_url.rstrip("/")
+        self.push_bytes = push_bytes
+        self.token = token
+        self.tls_ca_file = tls_ca_file
+        self.address = address
+        self.timeout_s = timeout_s
+        self.engine = None
+        self.control = None
+        self.pushes = 0
+        self.bytes_sent = 0  # by all pushes
+
+    async def _get(self, path: str) -> dict:
+        async with self.session.get(self.base_url + path) as resp:  # a read route: the session's --token
+            text = await resp.text()
+            if resp.status != 200:
+                raise TargetError(f"--push-bytes: GET {path} answered HTTP {resp.status}: {text[:200]}")
+            return json.loads(text)
+
+    def _local_address(self) -> str:
+        """This host's address as the target's host sees it (the route to it)."""
+        import socket
+        from urllib.parse import urlsplit
+
+        host = urlsplit(self.base_url).hostname or "127.0.0.1"
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                s.connect((host, 9))  # no packet leaves: only the route is chosen
+                return s.getsockname()[0]
+            except OSError:
+                return "127.0.0.1"
+
+    async def prepare(self) -> None:
+        """Form the weight-transfer group (once)."""
+        if self.engine is not None:
+            return
+        try:
+            import torch
+        except ImportError:
+            raise TargetError("--push-bytes over http sends through torch.distributed: install torch") from None
+        from trainer_client.collective import HttpControl, StateDictSource, free_port, init_info_for, trainer_engine
+
+        config = (await self._get("/server_info?config_format=json")).get("vllm_config") or {}
+        transfer = config.get("weight_transfer_config") if isinstance(config, dict) else None
+        backend = transfer.get("backend") if isinstance(transfer, dict) else None
+        if backend not in ("gloo", "nccl"):
+            raise TargetError(f"--push-bytes: the target has no weight transfer (/server_info vllm_config."
+                              f"weight_transfer_config: {transfer!r}); vLLM serves one when started with "
+                              "--weight-transfer-config")
+        world = int((await self._get("/get_world_size"))["world_size"])
+        address = self.address or self._local_address()
+        source = StateDictSource()
+        source.state_dict = {self.TENSOR: torch.zeros(self.push_bytes, dtype=torch.uint8)}
+        init = init_info_for(backend, world + 1, address, free_port(address), self.timeout_s)
+        self.control = HttpControl(self.base_url, self.token, self.timeout_s, self.tls_ca_file)
+        try:
+            self.engine = await asyncio.to_thread(trainer_engine, init, self.control, source)
+        except (RuntimeError, ValueError, OSError) as exc:
+            raise TargetError(f"--push-bytes: the weight transfer group of {self.base_url} did not form "
+                              f"(this host as {address}; --push-address): {exc}") from None
+
+    async def push(self) -> None:
+        await self.prepare()
+        try:
+            await asyncio.to_thread(self.engine.send_weights)
+        except RuntimeError as exc:
+            raise TargetError(f"--push-bytes: {self.base_url} refused the push: {exc}") from None
+        self.pushes += 1
+        self.bytes_sent += int(getattr(self.engine, "bytes_sent", 0) or self.push_bytes)
+
+    async def close(self) -> None:
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(engine.shutdown)
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(self.control.shutdown_weight_transfer_engine)
 
 
 HTTP_KEEPALIVE_S = 2.0
