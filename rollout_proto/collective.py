@@ -23,6 +23,7 @@ fails the transfer on every rank after `timeout_s`, it does not hang it.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, Iterable, Iterator, Sequence
@@ -128,8 +129,35 @@ def abort_group(group) -> None:
         pass
 
 
-def _wait(work, timeout_s: float) -> None:
-    work.wait(timedelta(seconds=timeout_s))
+class Cancelled(Exception):
+    """A send stopped by its caller (the service refused the push)."""
+
+
+def _wait(work, timeout_s: float, cancel=None) -> None:
+    """Wait for `work` (its error raised), at most `timeout_s`; with `cancel`
+    (a threading.Event), the wait runs in a daemon thread and setting the
+    event ends it at once (gloo's work completes only inside `wait`, and a
+    timed-out `wait` fails the work, so it cannot be polled)."""
+    if cancel is None:
+        work.wait(timedelta(seconds=timeout_s))
+        return
+    done = threading.Event()
+    failed: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            work.wait(timedelta(seconds=timeout_s))
+        except BaseException as exc:
+            failed.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=wait, name="collective-wait", daemon=True).start()
+    while not done.wait(0.05):
+        if cancel.is_set():
+            raise Cancelled("the send was cancelled")
+    if failed:
+        raise failed[0]
 
 
 def _bytes_of(tensor):
@@ -140,11 +168,13 @@ def _bytes_of(tensor):
 
 
 def send(pg, world_size: int, specs: Sequence[Spec], pairs: Iterable, chunk_bytes: int,
-         mode: str = "chain", timeout_s: float = DEFAULT_TIMEOUT_S, device=None) -> int:
+         mode: str = "chain", timeout_s: float = DEFAULT_TIMEOUT_S, device=None, cancel=None) -> int:
     """Rank 0: send `pairs` ((name, tensor) in `specs` order, each checked
     against its spec) to every receiver. `pairs` may be lazy: each tensor is
     materialised when its first chunk goes and dropped after its last.
-    Returns the bytes this rank sent (the payload once in chain mode)."""
+    Returns the bytes this rank sent (the payload once in chain mode).
+    `cancel` (a threading.Event) set: `Cancelled` at once; the group is then
+    unusable (a chunk may be half sent)."""
     import torch
 
     if world_size < 2:
@@ -182,7 +212,7 @@ def send(pg, world_size: int, specs: Sequence[Spec], pairs: Iterable, chunk_byte
         """Wait for all but `keep` sends in flight; drop the tensors they finished."""
         while len(pending) > keep:
             work, finished = pending.pop(0)
-            _wait(work, timeout_s)
+            _wait(work, timeout_s, cancel)
             for j in [j for j in live if j <= finished]:
                 del live[j]
 

@@ -102,11 +102,29 @@ class GlooTrainerWeightTransferEngine:
         update_info = {"names": [s.name for s in specs], "dtype_names": [s.dtype for s in specs],
                        "shapes": [list(s.shape) for s in specs]}
         self.client.start_weight_update()  # the manifest is checked before a byte moves
+        refused = threading.Event()
+
+        def update() -> None:
+            try:
+                self.client.update_weights(update_info)
+            except BaseException:
+                # Refused (over HTTP the manifest is checked here): no engine
+                # will take the bytes, so the send below ends at once, not at
+                # the group's timeout.
+                refused.set()
+                raise
+
         exe = ThreadPoolExecutor(max_workers=1)
         try:
-            future = exe.submit(self.client.update_weights, update_info)
-            self.bytes_sent = wire.send(self.group, self.info.world_size, specs, iter(self.source),
-                                        self.info.chunk_bytes, self.info.mode, self.info.timeout_s)
+            future = exe.submit(update)
+            try:
+                self.bytes_sent = wire.send(self.group, self.info.world_size, specs, iter(self.source),
+                                            self.info.chunk_bytes, self.info.mode, self.info.timeout_s,
+                                            cancel=refused)
+            except wire.Cancelled:
+                group, self.group = self.group, None  # a chunk may be half sent: the group is spent
+                wire.abort_group(group)
+                raise future.exception() from None  # the service's reason
             future.result()
         finally:
             exe.shutdown(wait=False)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import numpy as np
 import pytest
@@ -390,6 +391,32 @@ async def test_weight_transfer_routes_push_once_to_every_engine_and_the_version_
     assert status == 200 and r["choices"][0]["weight_versions"] == [{"version": "step-7", "start": 0, "end": 4}]
     await _call(port, "POST", "/shutdown_weight_transfer_engine")
     assert fleet.core.collective.plan_in_force is None
+
+
+async def test_an_update_the_service_refuses_ends_the_trainers_send_at_once_with_its_reason(fleet):
+    """/update_weights refused (here a manifest naming one tensor twice; a
+    served model refuses a tensor it lacks the same way) while the trainer
+    sends: no engine takes the bytes, and the trainer stops at once with
+    the service's reason, not at the group's timeout; the fleet keeps its
+    version."""
+    torch = pytest.importorskip("torch")
+
+    class Twice(dict):  # a state dict whose manifest names "w" twice
+        def items(self):
+            return [("w", self["w"]), ("w", self["w"])]
+
+        def keys(self):
+            return ["w", "w"]
+
+    before = fleet.core.policy_version
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"update_info.names\[1\].*must be a new tensor name"):
+        await _push_over_routes(fleet.http_port, Twice(w=torch.ones(1 << 20)), group_timeout_s=60, timeout_s=120)
+    assert time.monotonic() - t0 < 20
+    assert fleet.core.policy_version == before
+    # That update is over: the next trainer forms its group and pushes.
+    assert await _push_over_routes(fleet.http_port, {"w": torch.ones(16)}) == 64
+    assert fleet.core.policy_version == before + 1
 
 
 class NeverFinishes(HttpControl):

@@ -158,6 +158,8 @@ class VllmWeightTransfer:
             if push is None or push.task is not None:
                 raise CoreError("failed_precondition", "no weight update is open: call /start_weight_update first")
         except (BadRequest, CoreError) as exc:
+            if isinstance(exc, BadRequest) and push is not None and push.task is None and self._push is push:
+                self._push = None  # the open update's manifest is refused: that update is over
             return self._error(exc)
         version = self.core.policy_version + 1
         timeout = self.timeout_s
