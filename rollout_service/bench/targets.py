@@ -411,8 +411,6 @@ class HttpWeightPush:
         self.timeout_s = timeout_s
         self.engine = None
         self.control = None
-        self.pushes = 0
-        self.bytes_sent = 0  # by all pushes
 
     async def _get(self, path: str) -> dict:
         async with self.session.get(self.base_url + path) as resp:  # a read route: the session's --token
@@ -469,8 +467,6 @@ class HttpWeightPush:
             await asyncio.to_thread(self.engine.send_weights)
         except RuntimeError as exc:
             raise TargetError(f"--push-bytes: {self.base_url} refused the push: {exc}") from None
-        self.pushes += 1
-        self.bytes_sent += int(getattr(self.engine, "bytes_sent", 0) or self.push_bytes)
 
     async def close(self) -> None:
         engine, self.engine = self.engine, None
