@@ -18,7 +18,7 @@ import asyncio
 import dataclasses
 import logging
 from collections import Counter
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from rollout_proto.devices import RankDevice
 from rollout_service.engines.base import Engine, EngineError
@@ -54,8 +54,12 @@ class HostLink:
     # counters (in the core's, so they show in Status and /metrics)
     BATCHES, EVENTS, CALLS, DEATHS = "host_batches", "host_events", "host_calls", "host_deaths"
 
-    def __init__(self, fleet) -> None:
+    def __init__(self, fleet, factories: dict[str, Callable[[], Engine]], heartbeat_s: float) -> None:
         self.fleet = fleet  # its `stats` counters are the hosts' (bound to the core's)
+        self.factories = factories  # engine id -> what builds it in the host
+        self.heartbeat_s = heartbeat_s
+        self.generation = 0  # hosts started so far (a restart is the next)
+        self._pump: asyncio.Task | None = None  # reads the host's event batches
         self.engines: dict[str, HostedEngine] = {}
         self.alive = False
         self.info: dict[str, Any] = {}

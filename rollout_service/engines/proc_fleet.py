@@ -80,19 +80,15 @@ class ProcessHost(HostLink):
 
     def __init__(self, fleet: ProcessFleet, index: int, factories: dict[str, Callable[[], Engine]],
                  heartbeat_s: float, batch_s: float = 0.0, nice: int = 0) -> None:
-        super().__init__(fleet)
+        super().__init__(fleet, factories, heartbeat_s)
         self.index = index
-        self.factories = factories
-        self.heartbeat_s = heartbeat_s
         self.batch_s = batch_s
         self.nice = nice
         self.proc: asyncio.subprocess.Process | None = None
-        self.generation = 0
         self._writer: asyncio.StreamWriter | None = None
         self._calls: dict[int, asyncio.Future] = {}
         self._adds: list[tuple[str, int, EngineRequest]] = []
         self._call_ids = itertools.count(1)
-        self._pump: asyncio.Task | None = None
         fleet.hosts.append(self)
 
     async def _spawn(self) -> None:

@@ -52,14 +52,10 @@ class RayHost(HostLink):
 
     def __init__(self, fleet: "RayFleet", bundle_index: int, factories: dict[str, Callable[[], Engine]],
                  actor_options: dict[str, Any], heartbeat_s: float) -> None:
-        super().__init__(fleet)
+        super().__init__(fleet, factories, heartbeat_s)
         self.bundle_index = bundle_index
-        self.factories = factories
         self.actor_options = actor_options
-        self.heartbeat_s = heartbeat_s
         self.actor = None
-        self.generation = 0
-        self._pump: asyncio.Task | None = None
         fleet.add_host(self)
 
     def _kill_actor(self) -> None:
