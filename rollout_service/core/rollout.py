@@ -568,11 +568,7 @@ class RolloutCore:
                 return
             req.token_ids += token_ids
             req.logprobs += logprobs
-            segments = req.versions.segments
-            if segments and segments[-1][0] == version:
-                segments[-1][2] += len(token_ids)
-            else:
-                req.versions.append(version, len(token_ids))
+            req.versions.append(version, len(token_ids))
             counters["tokens_generated"] += len(token_ids)
 
         def failed(exc: BaseException) -> None:
