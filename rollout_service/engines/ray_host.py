@@ -103,7 +103,8 @@ class EngineHost:
         self.batch_s = batch_s  # news waits at most this long for more to join its batch
         self._streams: dict[tuple[str, str], int] = {}  # (engine id, request id) -> stream id
         self._events: list[StreamEvent | DeltaRun] = []
-        self._open_run: DeltaRun | None = None  # the last event, while tokens may join it
+        # This batch's runs, each with its tokens gathered per stream; the
+        # last takes more tokens while it is the last event.
         self._open_runs: list[tuple[DeltaRun, dict[int, tuple[list[int], list[float]]]]] = []
         self._wake: asyncio.Event | None = None
         self._staged: dict[str, tuple[int, StagedWeights]] = {}  # target -> (version, staged file)
@@ -121,12 +122,13 @@ class EngineHost:
 
     def _push_tokens(self, stream_id: int, token_ids: list[int], logprobs: list[float], version: int) -> None:
         events = self._events
-        if not events or events[-1] is not self._open_run or self._open_run.version != version:
-            self._open_run = DeltaRun(version)
-            self._open_runs.append((self._open_run, {}))
-            events.append(self._open_run)
+        runs = self._open_runs
+        if not runs or not events or events[-1] is not runs[-1][0] or runs[-1][0].version != version:
+            run = DeltaRun(version)
+            runs.append((run, {}))
+            events.append(run)
             self._event().set()
-        gathered = self._open_runs[-1][1]
+        gathered = runs[-1][1]
         known = gathered.get(stream_id)
         if known is None:
             gathered[stream_id] = (list(token_ids), list(logprobs))
@@ -143,10 +145,9 @@ class EngineHost:
                 run.token_ids.extend(token_ids)
                 run.logprobs.extend(logprobs)
         self._open_runs = []
-        self._open_run = None
 
     def _push_delta(self, stream_id: int, d: TokenDelta) -> None:
-        if d.finish_reason is None and not d.draft_tokens and not d.accepted_tokens and d.top_logprobs is None:
+        if d.tokens_only:
             self._push_tokens(stream_id, d.token_ids, d.logprobs, d.version)
         else:
             self._push(StreamEvent(stream_id, EventKind.DELTA, delta=d))

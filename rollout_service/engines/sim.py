@@ -712,7 +712,7 @@ class SimEngine:
         """Hand a run's deltas to their requests' streams, in one pass (a
         delta of tokens and nothing else as tokens: `DeltaStream.push_tokens`)."""
         for seq, delta in out:
-            if delta.finish_reason is None and not delta.draft_tokens:
+            if delta.tokens_only:
                 seq.stream.push_tokens(delta.token_ids, delta.logprobs, delta.version)
             else:
                 seq.stream.push(delta)

@@ -99,6 +99,13 @@ class TokenDelta:
     accepted_tokens: int = 0
     top_logprobs: list[list[tuple[int, float]]] | None = None
 
+    @property
+    def tokens_only(self) -> bool:
+        """Tokens and nothing else (no finish, drafts or alternatives): what
+        `DeltaStream.push_tokens` carries without the delta itself."""
+        return (self.finish_reason is None and not self.draft_tokens and not self.accepted_tokens
+                and self.top_logprobs is None)
+
 
 @dataclass(slots=True)
 class PartialResponse:
