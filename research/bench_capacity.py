@@ -29,16 +29,9 @@ import time
 from pathlib import Path
 
 from rollout_service.bench.run import BenchOptions, run_bench
+from trainer_client.collective import free_port
 
 FREE = {"decode_base_s": 0.0, "decode_per_seq_s": 0.0, "prefill_per_token_s": 0.0, "max_seqs": 256}
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -47,7 +40,7 @@ def serving(engines: int, sim: dict, timeout_s: float = 120.0):
     (grpc port, http port, pid); stopped (SIGTERM, bounded) at the end."""
     import urllib.request
 
-    grpc_port, http_port = _free_port(), _free_port()
+    grpc_port, http_port = free_port(), free_port()
     cmd = [sys.executable, "-m", "rollout_service.cli", "serve", "--engine", "sim", "--num-engines", str(engines),
            "--grpc-port", str(grpc_port), "--http-port", str(http_port), "--set", f"engine.max_seqs={sim.get('max_seqs', 64)}"]
     for key, value in sim.items():
