@@ -243,7 +243,10 @@ async def test_a_request_migrated_between_hosts_mid_batch_continues_exactly():
     for s in samples:
         assert len(s.response_token_ids) == 300 and sum(n for _, _, n in s.versions) == 300
         source = _sim_tokens(params[s.engines[0]], s.sample_id, 300)
-        moved_at = next((i for i, t in enumerate(s.response_token_ids) if t != source[0][i]), 300)
+        # The move is where the source engine's draw stops: the token and its
+        # logprob (a token alone matches the target's draw 1 time in 64).
+        moved_at = next((i for i, (t, lp) in enumerate(zip(s.response_token_ids, s.logprobs))
+                         if t != source[0][i] or abs(lp - source[1][i]) > 1e-5), 300)
         assert s.response_token_ids[:moved_at] == source[0][:moved_at]
         assert s.logprobs[:moved_at] == pytest.approx(source[1][:moved_at])
         if len(s.engines) == 2:
