@@ -82,6 +82,8 @@ SLOW = {
         "~40-60 s: 1,000 groups, a server started six times as a subprocess",
     "test_crash_restart.py::test_sigkill_with_state_dir_delivers_every_sample_once_under_its_cursor":
         "~15 s: a server started three times as a subprocess",
+    "test_bench.py::test_the_wheel_carries_the_bench_and_its_traces_and_bench_help_runs_from_it":
+        "~4 s: builds the wheel and installs it",
     "test_crash_restart.py::test_weights_after_a_restart_are_the_last_pushed_or_the_version_really_served":
         "~17 s: a server started three times as a subprocess",
 }

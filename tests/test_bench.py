@@ -240,6 +240,34 @@ def test_every_bundled_trace_is_package_data_and_the_named_workloads_load_from_i
     assert [len(load_workload(name).steps) for name in ("math", "code", "video")] == [6, 5, 10]
 
 
+def test_the_wheel_carries_the_bench_and_its_traces_and_bench_help_runs_from_it(tmp_path):
+    import os
+    import subprocess
+    import sys
+    import zipfile
+
+    repo = Path(__file__).resolve().parent.parent
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+                    "-w", str(tmp_path / "dist"), str(repo)], check=True, timeout=300)
+    (wheel,) = (tmp_path / "dist").glob("rollout_service-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "rollout_service/bench/run.py" in names and "rollout_service/bench/traces/README.md" in names
+    assert sum(n.startswith("rollout_service/bench/traces/") for n in names) >= 30
+    assert not any(n.startswith(("research/", "tests/")) for n in names)  # the studies stay out of the product
+
+    site = tmp_path / "site"  # a non-editable install of the wheel alone (its dependencies are this environment's)
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(site), str(wheel)],
+                   check=True, timeout=300)
+    env = dict(os.environ, PYTHONPATH=str(site))
+    where = subprocess.run([sys.executable, "-c", "import rollout_service.bench.workloads as w; print(w.BUNDLED_TRACES)"],
+                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60, check=True)
+    assert Path(where.stdout.strip()).is_relative_to(site)  # the installed copy, not this checkout
+    help_ = subprocess.run([sys.executable, str(site / "bin" / "rollout-service"), "bench", "--help"], cwd=tmp_path,
+                           env=env, capture_output=True, text=True, timeout=60)
+    assert help_.returncode == 0, help_.stderr
+    assert "--target" in help_.stdout and "--workload" in help_.stdout
+
+
 async def test_trace_lengths_past_the_model_context_are_cut_to_fit_and_counted():
     async with running(sim_config(num_engines=2)) as service:  # the bundled model's context: 1,024 tokens
         doc = await bench(service, "http", workload="math", steps=1, groups_per_step=4)
