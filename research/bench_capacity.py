@@ -5,14 +5,18 @@ studies printed side by side:
 - **capacity**: engines whose steps cost nothing, so the figure is what the
   bench and the service can move between them, not the fleet: samples/s and
   tokens/s over gRPC and over HTTP (the bench in this process, the service
-  in its own);
+  in its own). A simulated engine's run of steps ends at each finish and
+  hands a delta to every sequence it runs, so the service's work per sample
+  grows with the batch; the default fleet runs small batches (`--seqs 16`)
+  on more engines so that the figure is the bench's and the service's
+  per-sample path, not that per-delta cost;
 - **agreement**: the same simulated fleet (the default cost model) and the
   same workload through the bench over gRPC and through the in-process
   harness (`python -m research run --clock real`, and `--clock virtual`):
   groups/s, tokens/s and mean step makespan, and their ratio to the
   bench's.
 
-    python -m research.bench_capacity [--quick] [--engines 4] [--report DIR]
+    python -m research.bench_capacity [--quick] [--engines 8] [--seqs 16] [--report DIR]
 """
 from __future__ import annotations
 
@@ -31,7 +35,7 @@ from pathlib import Path
 from rollout_service.bench.run import BenchOptions, run_bench
 from trainer_client.collective import free_port
 
-FREE = {"decode_base_s": 0.0, "decode_per_seq_s": 0.0, "prefill_per_token_s": 0.0, "max_seqs": 256}
+FREE = {"decode_base_s": 0.0, "decode_per_seq_s": 0.0, "prefill_per_token_s": 0.0}
 
 
 @contextlib.contextmanager
@@ -85,12 +89,12 @@ def _cpu_s(pid: int) -> float:
     return t.user + t.system
 
 
-def capacity(engines: int, workload: str, steps: int) -> list[dict]:
+def capacity(engines: int, seqs: int, workload: str, steps: int) -> list[dict]:
     """Each target's samples/s and tokens/s, with the CPU seconds per 1,000
     samples of the bench (this process) and of the service: the bench's own
     ceiling on one core is 1,000 / its figure x 1,000 samples/s."""
     rows = []
-    with serving(engines, FREE) as (grpc_port, http_port, pid):
+    with serving(engines, dict(FREE, max_seqs=seqs)) as (grpc_port, http_port, pid):
         for scheme, port, extra in (("grpc", grpc_port, {}), ("http", http_port, {}),
                                     ("http", http_port, {"stream": False})):
             target = f"{scheme}://127.0.0.1:{port}"
@@ -145,15 +149,17 @@ def agreement(engines: int, workload: str, steps: int, groups: int, scale: float
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--engines", type=int, default=4)
+    p.add_argument("--engines", type=int, default=8, help="simulated engines of the capacity study")
+    p.add_argument("--seqs", type=int, default=16, help="sequences each of them runs at once")
+    p.add_argument("--agreement-engines", type=int, default=4, help="simulated engines of the agreement study")
     p.add_argument("--quick", action="store_true", help="smaller runs (a test's size)")
     p.add_argument("--report", help="write bench_capacity.json here")
     args = p.parse_args(argv)
     steps, groups = (1, 8) if args.quick else (4, 64)
     size = "median=100,sigma=0.3,tail_prob=0,prompt_median=16"
     cap_workload = f"synthetic:{size},groups_per_step={64 if args.quick else 512},steps={steps}"
-    doc = {"capacity": capacity(args.engines, cap_workload, steps),
-           "agreement": agreement(args.engines, "math", 2 if args.quick else 3, groups, 0.05 if args.quick else 0.1)}
+    doc = {"capacity": capacity(args.engines, args.seqs, cap_workload, steps),
+           "agreement": agreement(args.agreement_engines, "math", 2 if args.quick else 3, groups, 0.05 if args.quick else 0.1)}
     if args.report:
         os.makedirs(args.report, exist_ok=True)
         (Path(args.report) / "bench_capacity.json").write_text(json.dumps(doc, indent=2))
