@@ -164,6 +164,9 @@ def test_an_engine_built_from_the_plan_passes_vllm_exactly_the_planned_arguments
         assert engine._spawn_environment() == planned.env
         # On GPUs model-free drafting is vLLM's ngram_gpu, which keeps async scheduling.
         assert engine._engine_args()["speculative_config"]["method"] == "ngram_gpu"
+        # The weight-transfer routes' group on GPUs is NCCL, as vLLM's engines are started with.
+        assert engine._engine_args()["weight_transfer_config"] == {"backend": "nccl"}
+        assert engine.transfer_backend() == "nccl"
 
 
 def _write_model(tmp: Path, layers=2, hidden=64, heads=4, kv_heads=2, vocab=1000, dtype="bfloat16") -> Path:
