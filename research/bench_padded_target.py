@@ -141,9 +141,7 @@ def main(argv: list[str] | None = None) -> int:
               "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
     from research.report import save_json  # not at the top: workers run this file as a script
 
-    path = save_json(args.report, "padded_target.json", report)
-    if path is not None:
-        print(f"wrote {path}")
+    save_json(args.report, "padded_target.json", report)
     return 0
 
 

@@ -372,10 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         out["summary"].update({f"{name}_last_acceptance_length": later[-1][name]["mean_acceptance_length"]
                                for name in args.drafters})
         print(json.dumps(out["summary"], indent=2))
-    path = save_json(args.report, "drafter_adaptation.json", out)
-    if path is not None:
-        plot(out, path.with_suffix(".png"))
-        print(f"report: {path}")
+    save_json(args.report, "drafter_adaptation.json", out, plot)
     return 0
 
 

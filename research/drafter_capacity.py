@@ -191,9 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     out["command"] = " ".join(["python -m research.drafter_capacity", *(sys.argv[1:] if argv is None else argv)])
     print(json.dumps({r["drafter"] + (f" lr {r['lr']:g} x {r['steps']}" if "lr" in r else ""):
                       [round(r["greedy"], 3), round(r["sampled"], 3)] for r in out["rows"]}, indent=1))
-    path = save_json(args.report, "drafter_capacity.json", out)
-    if path is not None:
-        print(f"report: {path}")
+    save_json(args.report, "drafter_capacity.json", out)
     return 0
 
 

@@ -169,7 +169,5 @@ def main(args) -> int:
                                 args.groups_per_step, args.length_scale))
             print(markdown(rows[-1:]).splitlines()[-1], flush=True)
     print(markdown(rows))
-    path = save_json(args.report, "predictor.json", rows)
-    if path is not None:
-        print(f"report: {path}")
+    save_json(args.report, "predictor.json", rows)
     return 0

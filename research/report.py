@@ -25,13 +25,18 @@ def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
 
 
-def save_json(report_dir: str | Path | None, name: str, data) -> Path | None:
-    """Write `data` as DIR/name (indented JSON) when a report directory was asked for."""
+def save_json(report_dir: str | Path | None, name: str, data, plot=None) -> Path | None:
+    """Write `data` as DIR/name (indented JSON) when a report directory was
+    asked for, and `plot(data, png)` beside it (the same name, .png) when
+    given; says where."""
     if not report_dir:
         return None
     path = Path(report_dir) / name
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2, default=float))
+    if plot is not None:
+        plot(data, path.with_suffix(".png"))
+    print(f"report: {path}")
     return path
 
 

@@ -210,10 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     out = asyncio.run(measure(args))
     out["command"] = "python -m research.spec_routes" + (" --quick" if args.quick else "")
     print(json.dumps({k: out[k] for k in ("draft_cost_ratio", "step_seconds_target", "step_seconds_draft", "best")}, indent=2))
-    path = save_json(args.report, "spec_routes.json", out)
-    if path is not None:
-        plot(out, path.with_suffix(".png"))
-        print(f"report: {path}")
+    save_json(args.report, "spec_routes.json", out, plot)
     return 0
 
 
