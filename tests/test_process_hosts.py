@@ -44,6 +44,25 @@ def test_the_backend_is_chosen_by_flag_or_table_and_a_wrong_one_is_named(tmp_pat
         make_process_engines([], nice=25)
 
 
+async def test_a_load_snapshot_older_than_a_weight_updates_reply_does_not_put_the_old_version_back():
+    """Under Ray an event batch read before a weight update can reach the
+    server after the update's reply: the engine keeps the newer snapshot, so
+    GetStatus does not show the old version on an engine that serves the new."""
+    from rollout_service.engines.ray_host import EventBatch
+
+    async with running(process_config(1, 1)) as service:
+        engine = service.core.engines["sim-0"]
+        await wait_until(lambda: engine.load().state == "ready", 30, "the engine to start")
+        stale = (*engine._stamp, engine.load())  # a batch's snapshot, still on its way
+        assert stale[2].policy_version == 0
+        async with RolloutClient(f"127.0.0.1:{service.grpc_port}", consumer_id=unique("stale")) as client:
+            assert (await client.push_weights({"w": np.ones((8, 8), np.float32)}, version=1)).applied_version == 1
+            engine.host.dispatch(EventBatch({"sim-0": stale}))
+            status = await client.status()
+        assert engine.load().policy_version == 1
+        assert status.policy_version == 1 and [e.policy_version for e in status.engines] == [1]
+
+
 async def test_engines_in_hosts_serve_push_weights_and_survive_a_killed_host():
     """Two host processes of two engines each: every sample once, each token
     tagged with the version that sampled it; a SIGKILLed host's requests go

@@ -146,8 +146,8 @@ class HostLink:
         it took their partials)."""
         stats = self.stats
         stats[self.BATCHES] += 1
-        for eid, (incarnation, load) in batch.loads.items():
-            self.engines[eid]._snapshot(incarnation, load, batch.spec.get(eid))
+        for eid, (incarnation, taken, load) in batch.loads.items():
+            self.engines[eid]._snapshot((incarnation, taken), load, batch.spec.get(eid))
         streams = self._streams
         for ev in batch.events:
             if type(ev) is DeltaRun:
@@ -210,7 +210,7 @@ class HostedEngine:
         self.restarts = 0
         self._started = False
         self._state = EngineState.STARTING  # the server's view: starting, ready or dead (closed)
-        self._incarnation = 0
+        self._stamp = (0, 0)  # (incarnation, taken) of the host's snapshot in _load
         self._load = dataclasses.replace(template.load(), state=EngineState.STARTING)
         self._rids: dict[str, int] = {}  # request id -> open stream id
         self._ranks = 0  # receiving ranks of a collective transfer (the host's engine says, at start)
@@ -238,13 +238,13 @@ class HostedEngine:
         self._state = EngineState.STARTING
         try:
             await self.host.ensure()
-            incarnation, load = await self.host.call("start_engine", self.engine_id)
+            incarnation, taken, load = await self.host.call("start_engine", self.engine_id)
         except BaseException as exc:
             self._state = EngineState.DEAD  # the core's health watch tries again
             if isinstance(exc, Exception) and not isinstance(exc, EngineError):
                 raise EngineError(f"engine {self.engine_id}: {type(exc).__name__}: {str(exc).splitlines()[0]}") from exc
             raise
-        self._incarnation, self._load = incarnation, load
+        self._stamp, self._load = (incarnation, taken), load
         try:
             self._ranks = int(await self.host.call("transfer_ranks", self.engine_id))
         except EngineError as exc:
@@ -261,10 +261,14 @@ class HostedEngine:
         self._state = EngineState.DEAD
         await self.host.close_engine(self.engine_id)
 
-    def _snapshot(self, incarnation: int, load: EngineLoad, spec: SpecSnapshot | None) -> None:
-        if incarnation < self._incarnation:
-            return  # from before the latest (re)start
-        self._incarnation, self._load = incarnation, load
+    def _snapshot(self, stamp: tuple[int, int], load: EngineLoad, spec: SpecSnapshot | None) -> None:
+        """Take the host's snapshot stamped (incarnation, taken) unless a newer
+        one is in: one from before the latest (re)start, or read before the
+        one it would replace (a Ray event batch overtaken by a weight call's
+        reply), would put an old load or version back."""
+        if stamp < self._stamp:
+            return
+        self._stamp, self._load = stamp, load
         if spec is not None and self.speculation is not None:
             self.speculation.monitor.apply_snapshot(spec)
 
@@ -308,7 +312,7 @@ class HostedEngine:
     async def update_weights(self, version: int, weights: StagedWeights) -> None:
         payload = await self.host.weights_payload(weights)
         out: WeightsApplied = await self.host.call("update_weights", self.engine_id, version, payload, "policy")
-        self._snapshot(out.incarnation, out.load, None)
+        self._snapshot((out.incarnation, out.taken), out.load, None)
         self.last_update = out
 
     # -- collective weight transfer -------------------------------------------------
@@ -330,7 +334,7 @@ class HostedEngine:
 
     async def finish_received_weights(self, version: int) -> None:
         out: WeightsApplied = await self.host.call("finish_received_weights", self.engine_id, version)
-        self._snapshot(out.incarnation, out.load, None)
+        self._snapshot((out.incarnation, out.taken), out.load, None)
         self.last_update = out
 
     async def abandon_received_weights(self, fallback: StagedWeights | None, version: int) -> None:

@@ -69,11 +69,11 @@ class DeltaRun:
 
 @dataclass(slots=True)
 class EventBatch:
-    """One item of an actor's event stream: per engine (incarnation, load),
-    the stream events since the last batch, and speculation snapshots of
-    the engines that speculate."""
+    """One item of an actor's event stream: per engine its load snapshot
+    (`EngineHost.snapshot`), the stream events since the last batch, and
+    speculation snapshots of the engines that speculate."""
 
-    loads: dict[str, tuple[int, EngineLoad]]
+    loads: dict[str, tuple[int, int, EngineLoad]]
     events: list[StreamEvent | DeltaRun] = field(default_factory=list)
     spec: dict[str, SpecSnapshot] = field(default_factory=dict)
 
@@ -85,6 +85,7 @@ class WeightsApplied:
     stage_s: float
     apply_s: float
     incarnation: int
+    taken: int  # when the load was read (`EngineHost.snapshot`)
     load: EngineLoad
 
 
@@ -99,6 +100,7 @@ class EngineHost:
                  batch_s: float = 0.0) -> None:
         self.engines: dict[str, Engine] = {eid: make() for eid, make in factories.items()}
         self.incarnation: Counter[str] = Counter()  # bumped at every start of an engine
+        self._taken = 0  # load snapshots read so far
         self.heartbeat_s = heartbeat_s
         self.batch_s = batch_s  # news waits at most this long for more to join its batch
         self._streams: dict[tuple[str, str], int] = {}  # (engine id, request id) -> stream id
@@ -110,6 +112,14 @@ class EngineHost:
         self._staged: dict[str, tuple[int, StagedWeights]] = {}  # target -> (version, staged file)
         self._stage_lock: asyncio.Lock | None = None
         remove_orphan_staging()
+
+    def snapshot(self, engine_id: str) -> tuple[int, int, EngineLoad]:
+        """(incarnation, taken, load) of an engine now: `taken` orders the
+        snapshots of this host, so the server keeps the newest of those that
+        reach it out of order (under Ray an event batch and a call's reply
+        travel apart)."""
+        self._taken += 1
+        return self.incarnation[engine_id], self._taken, self.engines[engine_id].load()
 
     def _event(self) -> asyncio.Event:
         if self._wake is None:
@@ -158,12 +168,12 @@ class EngineHost:
         ctx = ray.get_runtime_context()
         return {"pid": os.getpid(), "node_id": ctx.get_node_id(), "ip": ray.util.get_node_ip_address()}
 
-    async def start_engine(self, engine_id: str) -> tuple[int, EngineLoad]:
+    async def start_engine(self, engine_id: str) -> tuple[int, int, EngineLoad]:
         engine = self.engines[engine_id]
         if self.incarnation[engine_id] == 0 or engine.load().state == EngineState.DEAD:
             await engine.start()
         self.incarnation[engine_id] += 1
-        return self.incarnation[engine_id], engine.load()
+        return self.snapshot(engine_id)
 
     async def describe(self, engine_id: str) -> EngineDescription:
         return self.engines[engine_id].describe()
@@ -240,7 +250,7 @@ class EngineHost:
             wake.clear()
             self._close_runs()
             events, self._events = self._events, []
-            loads = {eid: (self.incarnation[eid], e.load()) for eid, e in self.engines.items()}
+            loads = {eid: self.snapshot(eid) for eid in self.engines}
             spec = {eid: e.speculation.monitor.to_snapshot()
                     for eid, e in self.engines.items() if e.speculation is not None}
             yield EventBatch(loads, events, spec)
@@ -280,7 +290,7 @@ class EngineHost:
             await engine.update_weights(version, staged)
         else:
             await self._speculation(engine_id).update_draft_weights(version, staged)
-        return WeightsApplied(stage_s, time.perf_counter() - t0, self.incarnation[engine_id], engine.load())
+        return WeightsApplied(stage_s, time.perf_counter() - t0, *self.snapshot(engine_id))
 
     # -- collective weight transfer: the actor's engine joins the trainer's
     # group itself (its workers receive straight from the trainer's ranks);
@@ -302,7 +312,7 @@ class EngineHost:
         t0 = time.perf_counter()
         engine = self.engines[engine_id]
         await engine.finish_received_weights(version)
-        return WeightsApplied(0.0, time.perf_counter() - t0, self.incarnation[engine_id], engine.load())
+        return WeightsApplied(0.0, time.perf_counter() - t0, *self.snapshot(engine_id))
 
     async def abandon_received_weights(self, engine_id: str, version: int, payload: list | str | None) -> None:
         """Put the serving weights (`payload`, resolved by Ray; None: the
