@@ -253,6 +253,11 @@ async def test_a_pushed_file_replaced_by_rename_is_served_from_the_verified_byte
 
 # -- large prompts off the event loop -------------------------------------------------------
 
+# ~810,000 characters (under the 1,000,000 a text may have): ~0.8 s to
+# tokenize on this machine when idle, long enough to tell a stalled loop.
+BIG_PROMPT = "add 9+6689 then collatz 27\n" * 30_000
+
+
 async def _max_latency_while(ping, work: asyncio.Future) -> tuple[float, float]:
     """(the longest wait of `ping()` (a health check) while `work` runs, how
     long it ran), s. The service runs in this process, on this event loop: a
@@ -268,7 +273,7 @@ async def _max_latency_while(ping, work: asyncio.Future) -> tuple[float, float]:
 
 
 async def test_a_large_http_prompt_is_tokenized_while_health_checks_answer(sim_service):
-    text = "add 9+6689 then collatz 27\n" * 12_000  # ~320,000 characters: most of a second to tokenize here
+    text = BIG_PROMPT
     async with aiohttp.ClientSession() as session:
         async def big():
             async with session.post(f"http://127.0.0.1:{sim_service.http_port}/v1/completions",
@@ -285,7 +290,7 @@ async def test_a_large_http_prompt_is_tokenized_while_health_checks_answer(sim_s
 
 
 async def test_a_large_submit_is_tokenized_while_get_status_answers(sim_service, client):
-    text = "add 9+6689 then collatz 27\n" * 12_000  # refused for length, once tokenized
+    text = BIG_PROMPT  # refused for length, once tokenized
     request = pb.SubmitRequest(groups=[pb.PromptGroup(prompt_text=text, num_samples=1,
                                                       sampling=pb.SamplingParams(max_tokens=1))])
 
