@@ -61,7 +61,7 @@ SLOW = {
     "test_fuzz_routes.py::test_every_http_route_answers_random_and_oversized_values_without_a_500":
         "~15 s: 300 random requests",
     "test_memory_bounds.py::test_100k_abandoned_trajectories_end_at_their_deadline_and_memory_stays_flat":
-        "~1 min: 100,000 trajectories through a server subprocess",
+        "~1 min: 120,000 trajectories through a server subprocess",
     "test_memory_bounds.py::test_1000_consumers_that_vanish_mid_stream_stop_pinning_samples_and_memory_stays_flat":
         "~1-2 min: 5 rounds of 1,000 vanishing streams and 20,000 samples",
     "test_restart.py::test_sigterm_checkpoints_and_a_restarted_server_delivers_each_group_once":

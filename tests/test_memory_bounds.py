@@ -1,8 +1,8 @@
 """Resident memory of the real server process stays flat while clients
-abandon what they started: 100,000 trajectories nobody answers (they end at
-`observation_timeout_s`) and 1,000 consumers that open a stream and vanish
-without closing their connections (keepalives end their streams,
-`consumer_ttl_s` drops them). Each prints its figures:
+abandon what they started: 100,000 trajectories nobody answers, after
+20,000 more that warm the server up (they end at `observation_timeout_s`),
+and 1,000 consumers that open a stream and vanish without closing their
+connections (keepalives end their streams, `consumer_ttl_s` drops them). Each prints its figures:
 
     pytest tests/test_memory_bounds.py -s
 """
@@ -49,25 +49,32 @@ def _stop(proc: subprocess.Popen) -> None:
     proc.wait(timeout=30)
 
 
-def _flat(label: str, rss: list[float]) -> None:
-    # Round 1 warms the process up (allocator arenas, gRPC's buffers: 5-10%
-    # more after round 2 whatever the code); from round 2 on, what a round
-    # leaks adds up: 1 KiB kept per sample would add 20 MiB a round here.
+def _flat(label: str, rss: list[float], warm: int = 1) -> None:
+    """The last three rounds together grow the server's RSS by at most 10%.
+    The first `warm` rounds warm the process up (allocator arenas, gRPC's
+    buffers, the tables' high-water marks: 5-10% more after round 2 whatever
+    the code); after them, what a round leaks adds up: 1 KiB kept per sample
+    would add 20 MiB a round here."""
+    base = rss[warm]
+    assert len(rss) == warm + 4, "three rounds measured after the warm-up"
     print(f"{label}: server RSS per round (MiB): {', '.join(f'{r:.0f}' for r in rss)}; "
-          f"last / round 2 = {rss[-1] / rss[1]:.3f}")
-    assert rss[-1] <= rss[1] * 1.10, rss
+          f"last / round {warm + 1} = {rss[-1] / base:.3f}")
+    assert rss[-1] <= base * 1.10, rss
 
 
 def test_100k_abandoned_trajectories_end_at_their_deadline_and_memory_stays_flat():
     server, port = _serve("observation_timeout_s=0.5")  # looked for every 0.5 s: a round waits ~1 s for its last
     per_round = 100_000 // ROUNDS
+    # A round of 20,000 on a busy host can still raise the high-water marks
+    # in round 3 (RSS 186, 193, 211, 212, 213 MiB once): one more round to warm up.
+    rounds = ROUNDS + 1
 
     async def run() -> list[float]:
         rss = []
         async with RolloutClient(f"127.0.0.1:{port}", consumer_id="trainer") as client:
             await client.wait_ready(60)
             stream = client.stream(ack_every=512)
-            for r in range(ROUNDS):
+            for r in range(rounds):
                 t0 = time.monotonic()
                 groups = [PromptGroup(prompt_token_ids=[1, 5, 9] * 10, num_samples=16, max_tokens=8,
                                       multi_turn=MultiTurn(max_turns=4), group_id=f"r{r}-{g}")
@@ -93,7 +100,7 @@ def test_100k_abandoned_trajectories_end_at_their_deadline_and_memory_stays_flat
         rss = asyncio.run(asyncio.wait_for(run(), 600))
     finally:
         _stop(server)
-    _flat("100,000 abandoned trajectories", rss)
+    _flat(f"{per_round * rounds:,} abandoned trajectories", rss, warm=2)
 
 
 VANISHING = """
