@@ -2,7 +2,8 @@
 abandon what they started: 100,000 trajectories nobody answers, after
 20,000 more that warm the server up (they end at `observation_timeout_s`),
 and 1,000 consumers that open a stream and vanish without closing their
-connections (keepalives end their streams, `consumer_ttl_s` drops them). Each prints its figures:
+connections (keepalives end their streams, `consumer_ttl_s` drops them).
+Each prints its figures:
 
     pytest tests/test_memory_bounds.py -s
 """
