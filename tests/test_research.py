@@ -79,8 +79,10 @@ async def test_real_and_virtual_clocks_agree():
     assert lengths(real) == lengths(virtual)  # the same samples, the same lengths, over gRPC
     for v, r in zip(virtual.steps, real.steps):
         assert r["lower_bound_s"] == pytest.approx(v["lower_bound_s"])
-        # Real time adds the network and the event loop's overheads, never less than the model.
-        assert v["makespan_s"] * 0.99 <= r["makespan_s"] <= v["makespan_s"] * 1.5 + 0.2
+        # Real time adds the network and the event loop's overheads, never less than the model. On a
+        # busy 2-core host those overheads reached 0.85x the model; 3x catches a stalled loop or a
+        # wait that runs to its timeout, not how busy the machine is.
+        assert v["makespan_s"] * 0.99 <= r["makespan_s"] <= v["makespan_s"] * 3 + 0.5
     assert real.summary["samples_delivered"] == virtual.summary["samples_delivered"] == 96
     assert real.summary["weight_sync_s"] >= virtual.summary["weight_sync_s"] > 0
 
