@@ -112,6 +112,77 @@ def test_a_delta_stream_is_iterated_or_pushed_to_a_sink_in_order():
     asyncio.run(main())
 
 
+def test_a_step_of_token_deltas_reaches_a_shared_relay_in_one_call():
+    """`push_tokens_many`: the streams that share a relay reach it in one call
+    with the step's tokens; any other stream gets its own, as `push_tokens`
+    would give it; a relay that raises fails the streams it was given once
+    (their error callback), and leaves the others alone."""
+    from rollout_service.engines.stream import DeltaStream, push_tokens_many
+
+    async def main():
+        calls, errors, plain, buffered = [], [], [], DeltaStream()
+
+        def relay(streams, token_ids, logprobs, version):
+            calls.append(([s.target for s in streams], list(token_ids), version))
+
+        shared = [DeltaStream() for _ in range(3)]
+        for i, stream in enumerate(shared):
+            stream.attach(lambda d: None, errors.append, relay=relay, target=f"t{i}")
+        push_tokens_many(shared, [[1], [2], [3]], [[-0.1], [-0.2], [-0.3]], 4)
+        assert calls == [(["t0", "t1", "t2"], [[1], [2], [3]], 4)]
+
+        sinked = DeltaStream()
+        sinked.attach(lambda d: plain.append(d.token_ids), errors.append)
+        calls.clear()
+        push_tokens_many([shared[0], sinked, buffered, shared[1]], [[5], [6], [7], [8]], [[-0.1]] * 4, 5)
+        assert calls == [(["t0"], [[5]], 5), (["t1"], [[8]], 5)] and plain == [[6]]
+        assert [d.token_ids async for d in _first(buffered)] == [[7]]
+
+        def broken(streams, token_ids, logprobs, version):
+            raise ValueError("bad relay")
+
+        failing = [DeltaStream() for _ in range(2)]
+        for stream in failing:
+            stream.attach(lambda d: None, errors.append, relay=broken)
+        push_tokens_many(failing, [[1], [2]], [[-0.1], [-0.1]], 0)
+        push_tokens_many(failing, [[3], [4]], [[-0.1], [-0.1]], 0)  # detached: buffered, nothing raised
+        assert [type(e) for e in errors] == [ValueError, ValueError]
+
+    asyncio.run(main())
+
+
+async def _first(stream):
+    """The first delta a stream buffered."""
+    async for delta in stream:
+        yield delta
+        return
+
+
+def test_a_simulated_engine_keeps_its_step_times_while_its_event_loop_is_held_up():
+    """As vLLM's engine core, which steps on while its front end is busy: a
+    loop blocked for 0.15 s delays a 30-step request's tokens, not its finish
+    (30 x 10 ms), where an engine that waited for the loop would take 0.45 s."""
+    from rollout_service.engines.types import EngineRequest
+
+    async def main():
+        engine = SimEngine("e0", SimParams(decode_base_s=0.01, decode_per_seq_s=0.0, prefill_per_token_s=0.0,
+                                           max_run_steps=1))
+        await engine.start()
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.05, time.sleep, 0.15)  # the front end busy for 0.15 s
+        t0, tokens = loop.time(), 0
+        async for delta in engine.add(EngineRequest("r", [3] * 4, [], SamplingParams(max_tokens=100), 100,
+                                                    {"target_length": "30"})):
+            tokens += len(delta.token_ids)
+        elapsed = loop.time() - t0
+        await engine.close()
+        return tokens, elapsed
+
+    tokens, elapsed = asyncio.run(main())
+    assert tokens == 30
+    assert 0.3 <= elapsed < 0.42, elapsed
+
+
 def test_virtual_time_simulates_hours_of_fleet_time_in_seconds():
     engines = [SimEngine(f"e{i}", SimParams(decode_base_s=0.08, seed=i)) for i in range(16)]
 

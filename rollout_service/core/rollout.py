@@ -102,6 +102,18 @@ class CoreLimits:
     observation_timeout_s: float = 3600.0  # a trajectory waiting this long for an observation ends
 
 
+@dataclass(slots=True)
+class _Attempt:
+    """What the core's token relay needs of one attempt's stream: whose it
+    is, and where what the fast path cannot take goes."""
+
+    req: Request
+    attempt: int
+    engine_id: str
+    over: asyncio.Future
+    sink: Callable[[TokenDelta], None]
+
+
 class RolloutCore:
     """One service's requests, from Submit to delivery, over a fleet.
 
@@ -139,6 +151,7 @@ class RolloutCore:
         self._wake = asyncio.Event()
         self._tasks = TaskSet()  # every task the core starts, awaited on stop()
         self._runners = TaskSet()  # one per request attempt
+        self._token_relay = self._relay_tokens  # one object: streams that share it are relayed in one call
         self.fleet = Fleet(engines, self.counters, self._tasks, evacuate=self._evacuate,
                            bring_up=self._bring_up, on_change=self._wake.set)
         self.weight_sync = WeightSync(self.fleet, carry_over or CarryOverConfig(), self.counters,
@@ -548,7 +561,6 @@ class RolloutCore:
         switch per delta); the future resolves with the finish reason, None
         once the attempt is superseded, or the engine's error."""
         over = asyncio.get_running_loop().create_future()
-        counters = self.counters
 
         def sink(delta: TokenDelta) -> None:
             if over.done():
@@ -560,24 +572,36 @@ class RolloutCore:
             if delta.finish_reason is not None:
                 over.set_result(delta.finish_reason)
 
-        def tokens(token_ids: list[int], logprobs: list[float], version: int) -> None:
-            # `sink` of a delta of tokens only, without building it: the hot
-            # path of a fleet whose engines step every sequence every step.
-            if req.attempt != attempt or req.engine_id != engine_id or over.done() or not req.first_token_at:
-                sink(TokenDelta(token_ids, logprobs, version))
-                return
-            req.token_ids += token_ids
-            req.logprobs += logprobs
-            req.versions.append(version, len(token_ids))
-            counters["tokens_generated"] += len(token_ids)
-
         def failed(exc: BaseException) -> None:
             if not over.done():
                 over.set_exception(exc)
 
-        # A private group's listener gets every delta: no token sink.
-        deltas.attach(sink, failed, tokens if req.group.listener is None else None)
+        # A private group's listener gets every delta: no token relay.
+        if req.group.listener is None:
+            deltas.attach(sink, failed, relay=self._token_relay, target=_Attempt(req, attempt, engine_id, over, sink))
+        else:
+            deltas.attach(sink, failed)
         return over
+
+    def _relay_tokens(self, streams: Sequence[DeltaStream], token_ids: Sequence[list[int]],
+                      logprobs: Sequence[list[float]], version: int) -> None:
+        """One engine step's deltas of tokens only, one per stream (the
+        streams' `target`s are `_Attempt`s): appended to their requests in
+        one pass, without a delta object. The hot path of a fleet whose
+        engines step every sequence every step; a delta the fast path cannot
+        take (a first token, a superseded attempt) goes to its attempt's sink."""
+        n = 0
+        for stream, ids, lps in zip(streams, token_ids, logprobs):
+            a: _Attempt = stream.target
+            req = a.req
+            if req.attempt != a.attempt or req.engine_id != a.engine_id or a.over.done() or not req.first_token_at:
+                a.sink(TokenDelta(ids, lps, version))
+                continue
+            req.token_ids += ids
+            req.logprobs += lps
+            req.versions.append(version, len(ids))
+            n += len(ids)
+        self.counters["tokens_generated"] += n
 
     def _release(self, req: Request) -> None:
         self.requests.release(req)

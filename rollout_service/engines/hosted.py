@@ -25,7 +25,7 @@ from rollout_service.engines.base import Engine, EngineError
 from rollout_service.engines.ray_host import DeltaRun, EventBatch, EventKind, WeightsApplied
 from rollout_service.engines.spec_monitor import SpecMonitor, SpecSnapshot
 from rollout_service.engines.speculation import MonitoredSpeculation
-from rollout_service.engines.stream import DeltaStream
+from rollout_service.engines.stream import DeltaStream, push_tokens_many
 from rollout_service.engines.types import (
     EngineDescription,
     EngineLoad,
@@ -151,17 +151,22 @@ class HostLink:
         streams = self._streams
         for ev in batch.events:
             if type(ev) is DeltaRun:
-                version, token_ids, logprobs, at = ev.version, ev.token_ids, ev.logprobs, 0
+                token_ids, logprobs, at = ev.token_ids, ev.logprobs, 0
                 stats[self.EVENTS] += len(ev.stream_ids)
+                to, ids, lps = [], [], []
                 for sid, n in zip(ev.stream_ids, ev.counts):
                     entry = streams.get(sid)
-                    if entry is None:
-                        pass
-                    elif n == 1:  # most often: the server keeps up, a token per stream
-                        entry[0].push_tokens([token_ids[at]], [logprobs[at]], version)
-                    else:
-                        entry[0].push_tokens(token_ids[at:at + n].tolist(), logprobs[at:at + n].tolist(), version)
+                    if entry is not None:
+                        to.append(entry[0])
+                        if n == 1:  # most often: the server keeps up, a token per stream
+                            ids.append([token_ids[at]])
+                            lps.append([logprobs[at]])
+                        else:
+                            ids.append(token_ids[at:at + n].tolist())
+                            lps.append(logprobs[at:at + n].tolist())
                     at += n
+                if to:
+                    push_tokens_many(to, ids, lps, ev.version)
                 continue
             stats[self.EVENTS] += 1
             entry = streams.get(ev.stream_id)

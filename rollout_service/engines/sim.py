@@ -97,7 +97,7 @@ from rollout_service.engines.collective import GroupReceiver, TransferInit
 from rollout_service.engines.spec_config import DEFAULT_SCHEDULE, MODEL_METHODS, SpecConfig
 from rollout_service.engines.spec_monitor import SpecMonitor
 from rollout_service.engines.speculation import MonitoredSpeculation
-from rollout_service.engines.stream import DeltaStream
+from rollout_service.engines.stream import DeltaStream, push_tokens_many
 
 
 @dataclass(slots=True)
@@ -262,6 +262,18 @@ class _Run:
         return lo
 
 
+@dataclass(slots=True)
+class _Out:
+    """A run's deltas: the plain tokens of the sequences that go on (one
+    list each, for `push_tokens_many`), then every other delta."""
+
+    version: int
+    streams: list[DeltaStream] = field(default_factory=list)
+    token_ids: list[list[int]] = field(default_factory=list)
+    logprobs: list[list[float]] = field(default_factory=list)
+    others: list[tuple[_Seq, TokenDelta]] = field(default_factory=list)
+
+
 class SimEngine:
     """An `Engine` whose steps take the time the cost model says."""
 
@@ -282,6 +294,7 @@ class SimEngine:
         self._task: asyncio.Task | None = None
         self._tokens_per_s = 0.0
         self._run: _Run | None = None
+        self._ended_at: float | None = None  # when the last run ended, if the next follows it at once
         p = self.params
         # The simulated drafter is the cost model (spec_acceptance, spec_draft_cost): an EAGLE head has no directory here.
         spec = SpecConfig(method=p.spec_method, model="(simulated head)" if p.spec_method == "eagle" else "",
@@ -305,6 +318,7 @@ class SimEngine:
     async def start(self) -> None:
         self._version = 0  # a (re)started engine serves the model's own weights
         self._run = None
+        self._ended_at = None
         self._task = asyncio.create_task(self._loop(), name=f"sim-{self.engine_id}")
         self._state = EngineState.READY
 
@@ -394,6 +408,7 @@ class SimEngine:
         async with self._step_lock:  # between two steps: a safe point
             prev, self._state = self._state, EngineState.UPDATING
             await asyncio.sleep(self.params.weight_update_s)
+            self._ended_at = None  # the next run starts after the update
             self._version = version
             self._state = prev if prev != EngineState.UPDATING else EngineState.READY
 
@@ -428,6 +443,7 @@ class SimEngine:
     async def finish_received_weights(self, version: int) -> None:
         self._cut_run()
         async with self._step_lock:  # between two steps
+            self._ended_at = None
             self._version = version
 
     async def abandon_received_weights(self, fallback: object, version: int) -> None:
@@ -448,11 +464,11 @@ class SimEngine:
 
     # -- the continuous-batching loop ---------------------------------------
 
-    def _admit(self) -> int:
-        """Move waiting requests into the batch while slots and KV allow;
-        returns the number of tokens to prefill this step."""
+    def _admit(self, used: int) -> tuple[int, int]:
+        """Move waiting requests into the batch while slots and KV allow
+        (`used`: the running batch's context); returns the number of tokens
+        to prefill this step and the batch's context after it."""
         p = self.params
-        used = sum(s.context for s in self._running)
         prefill = 0
         while self._waiting and len(self._running) < p.max_seqs:
             seq = self._waiting[0]
@@ -468,7 +484,7 @@ class SimEngine:
                 seq.prefilled = True
         if p.prefix_cache:
             self._evict(used)
-        return prefill
+        return prefill, used
 
     # -- prefix cache ----------------------------------------------------------------
 
@@ -535,13 +551,18 @@ class SimEngine:
         while len(self._cached) > room:
             self._cached.popitem(last=False)
 
-    def _preempt_overflow(self) -> None:
+    def _preempt_overflow(self) -> int:
+        """Preempt the newest sequences while the next step would overflow
+        the KV cache; returns the running batch's context."""
         p = self.params
-        while len(self._running) > 1 and sum(s.context for s in self._running) + len(self._running) > p.kv_capacity_tokens:
+        used = sum(s.context for s in self._running)
+        while len(self._running) > 1 and used + len(self._running) > p.kv_capacity_tokens:
             seq = self._running.pop()
             seq.prefilled = False  # recompute on re-admission
             self._release(seq)
             self._waiting.appendleft(seq)
+            used -= seq.context
+        return used
 
     def _kv_used_now(self) -> int:
         used = sum(s.context for s in self._running)
@@ -552,13 +573,14 @@ class SimEngine:
             used += done * len(run.seqs)
         return used
 
-    def _plan(self, prefill_tokens: int, now: float) -> _Run:
+    def _plan(self, prefill_tokens: int, ctx0: int, now: float) -> _Run:
         """The run of steps until the batch changes by itself: the first
-        finish, or the step whose start would overflow the KV cache."""
+        finish, or the step whose start would overflow the KV cache
+        (`ctx0`: the batch's context)."""
         p = self.params
         n = len(self._running)
-        ctx0 = sum(s.context for s in self._running)
-        steps = min(s.steps_to_finish() for s in self._running)
+        # Every bound is at least one step: with runs of one step, one.
+        steps = min(s.steps_to_finish() for s in self._running) if p.max_run_steps > 1 else 1
         if n > 1:
             # Step i starts with ctx0 + (i-1)n tokens; it is preempted if that plus n exceeds the cache.
             steps = min(steps, max(1, (p.kv_capacity_tokens - ctx0) // n))
@@ -666,17 +688,21 @@ class SimEngine:
             seq.drafted += drafted
             seq.accepted += accepted
         tokens, logprobs = drawn if drawn is not None else self._tokens(seq, count)
-        seq.generated.extend(tokens)
-        seq.logprobs.extend(logprobs)
-        seq.versions.extend([version] * count)
-        finish = None
-        if tokens[-1] == self.params.eos_token_id:
-            finish = FinishReason.STOP
-        elif len(seq.generated) >= seq.request.max_new_tokens:
-            finish = FinishReason.LENGTH
+        finish = self._append(seq, tokens, logprobs, version, count)
         return TokenDelta(tokens, logprobs, version, finish, drafted, accepted)
 
-    def _complete(self, run: _Run) -> list[tuple[_Seq, TokenDelta]]:
+    def _append(self, seq: _Seq, tokens: list[int], logprobs: list[float], version: int, count: int) -> FinishReason | None:
+        """Append `count` steps' tokens to `seq`; returns why it stops, if it does."""
+        seq.generated += tokens
+        seq.logprobs += logprobs
+        seq.versions += [version] * count
+        if tokens[-1] == self.params.eos_token_id:
+            return FinishReason.STOP
+        if len(seq.generated) >= seq.request.max_new_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    def _complete(self, run: _Run) -> _Out:
         """Account for a finished run; returns each request's delta of it
         (pushed by `_deliver` once the engine's own state is up to date)."""
         m = run.steps
@@ -685,12 +711,22 @@ class SimEngine:
         self.slot_s += dt * run.n
         self.steps += m
         finished: set[int] = set()
-        out = []
+        out = _Out(run.version)
         live = [seq for seq in run.seqs if not seq.done]
         drawn = self._tokens_many(live, m) if m < 16 and len(live) >= 8 else [None] * len(live)
         for seq, d in zip(live, drawn):
-            delta = self._emit(seq, m, run.version, run.k, run.length, d)
-            out.append((seq, delta))
+            if run.k == 0 and d is not None:
+                # A run's plain tokens: no delta object (the common step of a full batch).
+                finish = self._append(seq, d[0], d[1], run.version, m)
+                if finish is None:
+                    out.streams.append(seq.stream)
+                    out.token_ids.append(d[0])
+                    out.logprobs.append(d[1])
+                    continue
+                delta = TokenDelta(d[0], d[1], run.version, finish)
+            else:
+                delta = self._emit(seq, m, run.version, run.k, run.length, d)
+            out.others.append((seq, delta))
             if delta.finish_reason is not None:
                 seq.done = True
                 finished.add(id(seq))
@@ -708,10 +744,12 @@ class SimEngine:
         return out
 
     @staticmethod
-    def _deliver(out: list[tuple[_Seq, TokenDelta]]) -> None:
-        """Hand a run's deltas to their requests' streams, in one pass (a
-        delta of tokens and nothing else as tokens: `DeltaStream.push_tokens`)."""
-        for seq, delta in out:
+    def _deliver(out: _Out) -> None:
+        """Hand a run's deltas to their requests' streams: its plain tokens
+        in one call (`push_tokens_many`), then the other deltas in order."""
+        if out.streams:
+            push_tokens_many(out.streams, out.token_ids, out.logprobs, out.version)
+        for seq, delta in out.others:
             if delta.tokens_only:
                 seq.stream.push_tokens(delta.token_ids, delta.logprobs, delta.version)
             else:
@@ -721,20 +759,27 @@ class SimEngine:
         loop = asyncio.get_running_loop()
         while True:
             if not self._running and not self._waiting:
+                self._ended_at = None
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             async with self._step_lock:
-                self._preempt_overflow()
-                prefill = self._admit()
+                prefill, used = self._admit(self._preempt_overflow())
                 if not self._running:
+                    self._ended_at = None
                     await asyncio.sleep(self.params.decode_base_s)
                     continue
-                run = self._plan(prefill, loop.time())
+                # As vLLM's engine core, which steps on without waiting for
+                # its front end to take the outputs: a run that follows
+                # another starts where that one ended, however late this
+                # process's event loop got round to it.
+                now, ended = loop.time(), self._ended_at
+                run = self._plan(prefill, used, ended if ended is not None and ended <= now else now)
                 self._run = run
                 run.timer = loop.call_at(run.t0 + run.elapsed(run.steps), _resolve, run.done)
                 await run.done
                 self._run = None
+                self._ended_at = run.t0 + run.elapsed(run.steps)
                 self._deliver(self._complete(run))
 
 
