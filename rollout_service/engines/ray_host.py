@@ -24,7 +24,7 @@ import time
 from array import array
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Mapping
+from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 
 from rollout_service.engines.base import Engine
 from rollout_service.engines.spec_monitor import SpecSnapshot
@@ -108,6 +108,7 @@ class EngineHost:
         # This batch's runs, each with its tokens gathered per stream; the
         # last takes more tokens while it is the last event.
         self._open_runs: list[tuple[DeltaRun, dict[int, tuple[list[int], list[float]]]]] = []
+        self._token_relay = self._relay_tokens  # one object, so that a step's streams share it
         self._wake: asyncio.Event | None = None
         self._staged: dict[str, tuple[int, StagedWeights]] = {}  # target -> (version, staged file)
         self._stage_lock: asyncio.Lock | None = None
@@ -130,7 +131,9 @@ class EngineHost:
         self._events.append(event)
         self._event().set()
 
-    def _push_tokens(self, stream_id: int, token_ids: list[int], logprobs: list[float], version: int) -> None:
+    def _gathering(self, version: int) -> dict[int, tuple[list[int], list[float]]]:
+        """The tokens gathered per stream in the open run of `version` (one
+        opened when the last event is not such a run)."""
         events = self._events
         runs = self._open_runs
         if not runs or not events or events[-1] is not runs[-1][0] or runs[-1][0].version != version:
@@ -138,7 +141,27 @@ class EngineHost:
             runs.append((run, {}))
             events.append(run)
             self._event().set()
-        gathered = runs[-1][1]
+        return runs[-1][1]
+
+    def _relay_tokens(self, streams: Sequence[DeltaStream], token_ids: Sequence[list[int]],
+                      logprobs: Sequence[list[float]], version: int) -> None:
+        """A step's deltas of tokens only (`push_tokens_many`; each stream's
+        target is its (key, stream id)), gathered into the open run in one pass."""
+        gathered = self._gathering(version)
+        live = self._streams
+        for stream, ids, lps in zip(streams, token_ids, logprobs):
+            key, stream_id = stream.target
+            if live.get(key) != stream_id:
+                continue  # aborted: the server took the partial
+            known = gathered.get(stream_id)
+            if known is None:
+                gathered[stream_id] = (list(ids), list(lps))
+            else:
+                known[0].extend(ids)
+                known[1].extend(lps)
+
+    def _push_tokens(self, stream_id: int, token_ids: list[int], logprobs: list[float], version: int) -> None:
+        gathered = self._gathering(version)
         known = gathered.get(stream_id)
         if known is None:
             gathered[stream_id] = (list(token_ids), list(logprobs))
@@ -202,16 +225,12 @@ class EngineHost:
             if d.finish_reason is not None:
                 del streams[key]
 
-        def tokens(token_ids: list[int], logprobs: list[float], version: int) -> None:
-            if streams.get(key) == stream_id:
-                self._push_tokens(stream_id, token_ids, logprobs, version)
-
         def failed(exc: BaseException) -> None:
             if streams.get(key) == stream_id:
                 del streams[key]
                 self._push(StreamEvent(stream_id, EventKind.ERROR, error=f"{type(exc).__name__}: {exc}"))
 
-        deltas.attach(sink, failed, tokens)
+        deltas.attach(sink, failed, relay=self._token_relay, target=(key, stream_id))
 
     async def _forward(self, key: tuple[str, str], stream_id: int, deltas: AsyncIterator[TokenDelta]) -> None:
         # Consume to the end even after an abort (the engine ends the stream);

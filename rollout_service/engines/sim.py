@@ -50,7 +50,10 @@ change the batch mid-run (`add`, `abort`, `update_weights`) cuts the run at
 the end of the step in progress, exactly where the step-by-step loop would
 have reacted; an aborted request keeps the tokens of every completed step.
 Timing, admission, preemption and finish times are those of the step-by-step
-loop; only the granularity of the deltas differs.
+loop; only the granularity of the deltas differs. A run that follows another
+starts where that one ended, not when the event loop got round to it (in
+real time the loop may be late): as vLLM's engine core, which steps on in
+its own process while the front end takes the outputs.
 
 Speculative decoding (`spec_method` not "off") is modelled in expectation.
 With depth K = schedule(batch size n), per-position acceptance rates a_i
