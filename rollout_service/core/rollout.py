@@ -104,14 +104,12 @@ class CoreLimits:
 
 @dataclass(slots=True)
 class _Attempt:
-    """What the core's token relay needs of one attempt's stream: whose it
-    is, and where what the fast path cannot take goes."""
+    """What the core's token relay needs of one attempt's stream: whose it is."""
 
     req: Request
     attempt: int
     engine_id: str
     over: asyncio.Future
-    sink: Callable[[TokenDelta], None]
 
 
 class RolloutCore:
@@ -578,7 +576,7 @@ class RolloutCore:
 
         # A private group's listener gets every delta: no token relay.
         if req.group.listener is None:
-            deltas.attach(sink, failed, relay=self._token_relay, target=_Attempt(req, attempt, engine_id, over, sink))
+            deltas.attach(sink, failed, relay=self._token_relay, target=_Attempt(req, attempt, engine_id, over))
         else:
             deltas.attach(sink, failed)
         return over
@@ -589,13 +587,14 @@ class RolloutCore:
         streams' `target`s are `_Attempt`s): appended to their requests in
         one pass, without a delta object. The hot path of a fleet whose
         engines step every sequence every step; a delta the fast path cannot
-        take (a first token, a superseded attempt) goes to its attempt's sink."""
+        take (a first token, a superseded attempt) goes to its attempt's sink
+        through its stream, which fails that stream alone if the sink raises."""
         n = 0
         for stream, ids, lps in zip(streams, token_ids, logprobs):
             a: _Attempt = stream.target
             req = a.req
             if req.attempt != a.attempt or req.engine_id != a.engine_id or a.over.done() or not req.first_token_at:
-                a.sink(TokenDelta(ids, lps, version))
+                stream.push(TokenDelta(ids, lps, version))
                 continue
             req.token_ids += ids
             req.logprobs += lps

@@ -87,7 +87,7 @@ class DeltaStream:
     def _detach(self) -> OnError:
         """Drop the sinks; returns the error callback to call once."""
         on_error = self._on_error
-        self._sink = self._token_sink = self._relay = None
+        self._sink = self._token_sink = self._relay = self.target = None
         return on_error
 
     def _wake(self) -> None:
