@@ -89,6 +89,17 @@ class WeightsApplied:
     load: EngineLoad
 
 
+def _gather(gathered: dict[int, tuple[list[int], list[float]]], stream_id: int, token_ids: list[int],
+            logprobs: list[float]) -> None:
+    """Add a stream's tokens to those a run gathered for it."""
+    known = gathered.get(stream_id)
+    if known is None:
+        gathered[stream_id] = (list(token_ids), list(logprobs))
+    else:
+        known[0].extend(token_ids)
+        known[1].extend(logprobs)
+
+
 class EngineHost:
     """Runs inside a Ray actor process: hosts one or more engines and
     multiplexes what they produce onto one event stream.
@@ -151,23 +162,11 @@ class EngineHost:
         live = self._streams
         for stream, ids, lps in zip(streams, token_ids, logprobs):
             key, stream_id = stream.target
-            if live.get(key) != stream_id:
-                continue  # aborted: the server took the partial
-            known = gathered.get(stream_id)
-            if known is None:
-                gathered[stream_id] = (list(ids), list(lps))
-            else:
-                known[0].extend(ids)
-                known[1].extend(lps)
+            if live.get(key) == stream_id:  # else aborted: the server took the partial
+                _gather(gathered, stream_id, ids, lps)
 
     def _push_tokens(self, stream_id: int, token_ids: list[int], logprobs: list[float], version: int) -> None:
-        gathered = self._gathering(version)
-        known = gathered.get(stream_id)
-        if known is None:
-            gathered[stream_id] = (list(token_ids), list(logprobs))
-        else:
-            known[0].extend(token_ids)
-            known[1].extend(logprobs)
+        _gather(self._gathering(version), stream_id, token_ids, logprobs)
 
     def _close_runs(self) -> None:
         """Lay the gathered tokens of this batch's runs out as arrays."""
