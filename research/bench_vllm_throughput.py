@@ -1,7 +1,10 @@
 """Rollout throughput through the service vs vLLM driven directly, on the
 same engines with the same prompts and seeds (so both produce the same tokens).
 
-    python -m research.bench_vllm_throughput [--groups 32] [--samples 8] [--max-tokens 256]
+    python -m research.bench_vllm_throughput [--groups 32] [--samples 8] [--max-tokens 256] [--rounds 3]
+
+Round 0 warms up; then the two paths alternate which goes first, and the
+ratio of their tokens/s is printed per round, with its range and median.
 
 The service path is the whole product: gRPC Submit, placement, the engine
 protocol, version tagging, the delivery log, gRPC streaming to a client.
@@ -22,60 +25,83 @@ from trainer_client import PromptGroup, RolloutClient
 
 
 async def run(args) -> dict:
+    # The direct path drives the engines' `AsyncLLM`s, so they run in this process.
     cfg = ServiceConfig(grpc_port=0, http_port=0, engine=EngineConfig(
-        kind="vllm", num_engines=args.engines, model=args.model, max_seqs=args.max_seqs))
+        kind="vllm", num_engines=args.engines, model=args.model, max_seqs=args.max_seqs, placement_backend="local"))
     service = RolloutService(cfg)
     print(f"starting {args.engines} vLLM engines ...", flush=True)
     await service.start()
     prompts = [prompt_token_ids(p) for p in generate_problems(args.groups, seed=args.seed)]
-    try:
-        results = {}
-        for rnd in range(args.rounds):
-            # Service path.
-            async with RolloutClient(f"127.0.0.1:{service.grpc_port}", consumer_id=f"bench-{rnd}") as client:
-                t0 = time.perf_counter()
-                await client.submit(
-                    PromptGroup(prompt_token_ids=p, num_samples=args.samples, max_tokens=args.max_tokens,
-                                temperature=1.0, seed=1000 * i, group_id=f"r{rnd}-g{i}")
-                    for i, p in enumerate(prompts)
-                )
-                tokens = n = 0
-                async for s in client.stream():
-                    if not s.group_id.startswith(f"r{rnd}-"):
-                        continue  # an earlier round's sample (a new consumer sees what is retained)
-                    n += 1
-                    tokens += len(s.response_token_ids)
-                    if n == args.groups * args.samples:
-                        break
-                service_s = time.perf_counter() - t0
-            # Direct path: the same engines, the same requests and seeds, split evenly.
-            from vllm import SamplingParams
-            from vllm.inputs import TokensPrompt
 
-            engines = list(service.core.engines.values())
-            direct_tokens = 0
-
-            async def one(engine, i, j, p):
-                nonlocal direct_tokens
-                sp = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, seed=1000 * i + j, logprobs=0)
-                async for out in engine.async_llm.generate(TokensPrompt(prompt_token_ids=p), sp, f"direct-{rnd}-{i}-{j}"):
-                    if out.finished:
-                        direct_tokens += len(out.outputs[0].token_ids)
-
+    async def through_service(rnd: int) -> tuple[int, float]:
+        async with RolloutClient(f"127.0.0.1:{service.grpc_port}", consumer_id=f"bench-{rnd}") as client:
             t0 = time.perf_counter()
-            jobs = [(i, j, p) for i, p in enumerate(prompts) for j in range(args.samples)]
-            await asyncio.gather(*(one(engines[k % len(engines)], i, j, p) for k, (i, j, p) in enumerate(jobs)))
-            direct_s = time.perf_counter() - t0
+            await client.submit(
+                PromptGroup(prompt_token_ids=p, num_samples=args.samples, max_tokens=args.max_tokens,
+                            temperature=1.0, seed=1000 * i, group_id=f"r{rnd}-g{i}")
+                for i, p in enumerate(prompts)
+            )
+            tokens = n = 0
+            async for s in client.stream():
+                if not s.group_id.startswith(f"r{rnd}-"):
+                    continue  # an earlier round's sample (a new consumer sees what is retained)
+                n += 1
+                tokens += len(s.response_token_ids)
+                if n == args.groups * args.samples:
+                    break
+            return tokens, time.perf_counter() - t0
+
+    async def direct(rnd: int) -> tuple[int, float]:
+        # The same engines, the same requests and seeds, split evenly.
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        engines = list(service.core.engines.values())
+        tokens = 0
+
+        async def one(engine, i, j, p):
+            nonlocal tokens
+            sp = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, seed=1000 * i + j, logprobs=0)
+            async for out in engine.async_llm.generate(TokensPrompt(prompt_token_ids=p), sp, f"direct-{rnd}-{i}-{j}"):
+                if out.finished:
+                    tokens += len(out.outputs[0].token_ids)
+
+        t0 = time.perf_counter()
+        jobs = [(i, j, p) for i, p in enumerate(prompts) for j in range(args.samples)]
+        await asyncio.gather(*(one(engines[k % len(engines)], i, j, p) for k, (i, j, p) in enumerate(jobs)))
+        return tokens, time.perf_counter() - t0
+
+    try:
+        results: dict = {}
+        ratios = []
+        for rnd in range(args.rounds):
+            # The order alternates, so that a host getting faster or slower
+            # through a run favours neither path.
+            if rnd % 2 == 0:
+                (tokens, service_s), (direct_tokens, direct_s) = await through_service(rnd), await direct(rnd)
+            else:
+                (direct_tokens, direct_s), (tokens, service_s) = await direct(rnd), await through_service(rnd)
+            ratio = (tokens / service_s) / (direct_tokens / direct_s)
+            if rnd:
+                ratios.append(round(ratio, 3))
             results = {
-                "engines": args.engines, "samples": n, "service_tokens": tokens, "direct_tokens": direct_tokens,
+                "engines": args.engines, "service_tokens": tokens, "direct_tokens": direct_tokens,
                 "service_s": round(service_s, 2), "direct_s": round(direct_s, 2),
                 "service_tokens_per_s": round(tokens / service_s, 1),
                 "direct_tokens_per_s": round(direct_tokens / direct_s, 1),
-                "ratio": round((tokens / service_s) / (direct_tokens / direct_s), 3),
+                "ratio": round(ratio, 3), "ratios_after_warmup": ratios,
             }
-            print(f"round {rnd}: service {results['service_tokens_per_s']:.0f} tok/s ({tokens} tokens, {service_s:.1f}s), "
+            first = "service first" if rnd % 2 == 0 else "direct first"
+            print(f"round {rnd}{' (warm-up)' if not rnd else ''}, {first}: "
+                  f"service {results['service_tokens_per_s']:.0f} tok/s ({tokens} tokens, {service_s:.1f}s), "
                   f"direct {results['direct_tokens_per_s']:.0f} tok/s ({direct_tokens} tokens, {direct_s:.1f}s), "
-                  f"ratio {results['ratio']:.1%}", flush=True)
+                  f"ratio {ratio:.1%}", flush=True)
+        if ratios:
+            ordered = sorted(ratios)
+            median = ordered[len(ordered) // 2] if len(ordered) % 2 else sum(ordered[len(ordered) // 2 - 1:][:2]) / 2
+            results["ratio_median"] = round(median, 3)
+            print(f"after the warm-up: service / direct {min(ratios):.1%}-{max(ratios):.1%}, median {median:.1%} "
+                  f"over {len(ratios)} rounds", flush=True)
     finally:
         await service.stop()
     return results
@@ -91,7 +117,8 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--max-seqs", type=int, default=128)
-    p.add_argument("--rounds", type=int, default=2, help="the first round warms up; the last one is reported")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="the first round warms up; the order of the two paths alternates by round")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--report")
     args = p.parse_args()

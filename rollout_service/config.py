@@ -28,7 +28,7 @@ from rollout_service.environments import check_environments
 from rollout_service.partial.carry_over import CarryOverConfig
 from rollout_service.scheduling.rebalancer import RebalanceConfig
 
-PLACEMENT_BACKENDS = ("local", "process", "ray")  # engine.placement_backend: where the engines run
+PLACEMENT_BACKENDS = ("auto", "local", "process", "ray")  # engine.placement_backend: where the engines run
 COLLECTIVE_RECEIVE = ("staged", "direct")  # engine.collective_receive: how a gloo engine receives a collective push
 
 
@@ -49,7 +49,9 @@ class RayConfig:
 class ProcessConfig:
     """Engines in host processes of this machine (rollout_service.engines.proc_fleet)."""
 
-    engines_per_host: int = 8  # engines (and their output processing) per host process
+    # Engines (and their output processing) per host process; 0: one vLLM
+    # engine a host (its front end a process of its own), 8 simulated ones.
+    engines_per_host: int = 0
     heartbeat_s: float = 0.25  # an idle host reports its engines' load this often
     batch_ms: float = 0.0  # a host's news waits at most this long for more to join its batch
     nice: int = 0  # hosts' niceness above the server's (0-19): with fewer cores than hosts, the server goes first
@@ -76,8 +78,10 @@ class EngineConfig:
     # "local": engines run in this process; "process": in host processes of
     # this machine, their output processing off the server's event loop
     # ([engine.process]); "ray": each engine runs in a Ray actor placed
-    # across the cluster's nodes ([engine.ray]).
-    placement_backend: str = "local"
+    # across the cluster's nodes ([engine.ray]); "auto": "process" for vLLM
+    # engines on GPUs (each front end costs a share of a core at GPU rates),
+    # "local" otherwise (device_plan.resolve_backend).
+    placement_backend: str = "auto"
     # How a vLLM CPU (gloo) engine receives a collective push: "staged" on a
     # worker thread while it generates, pausing only to load the weights (a
     # second copy of them per engine during the push); "direct" into the

@@ -99,7 +99,9 @@ class FleetPlan:
                 "warnings": list(self.warnings)}
 
     def describe(self) -> str:
-        lines = [f"platform {self.platform}, {len(self.engines)} engines ({self.placement_backend})"]
+        hosts = {"process": ", front ends in host processes", "local": ", front ends in the server's process"}
+        lines = [f"platform {self.platform}, {len(self.engines)} engines ({self.placement_backend}"
+                 f"{hosts.get(self.placement_backend, '')})"]
         for e in self.engines:
             where = (f"GPUs {','.join(e.devices)}" if e.devices else
                      f"Ray bundle {e.ray_bundle}" if e.ray_bundle else
@@ -114,6 +116,22 @@ class FleetPlan:
             lines.append(f"  {e.id}: {where}; TP {tp}, {graphs}" + (f"; {mem}" if mem else ""))
         lines += [f"  warning: {w}" for w in self.warnings]
         return "\n".join(lines)
+
+
+def resolve_backend(cfg: EngineConfig, platform: str) -> str:
+    """Where the engines run: `engine.placement_backend`, with "auto" chosen
+    by what an engine's front end costs. vLLM's output processing (decoding
+    the engine core's outputs, logprobs, request states) costs the process
+    running it ~50 us a token: on GPUs, where an engine makes thousands of
+    tokens a second, each front end goes to a host process of its own
+    ("process"). On a CPU the engines' own threads take the cores: hosts
+    spend the same front-end CPU in more processes, beside the engines, and
+    were no faster (0.68-1.03x the tokens/s of "local", docs/results.md);
+    simulated engines cost the server less than a host link: "local"."""
+    backend = cfg.placement_backend
+    if backend == "auto":
+        return "process" if cfg.kind == "vllm" and platform == "cuda" else "local"
+    return backend
 
 
 def max_seqs_for(cfg: EngineConfig, platform: str) -> int:
@@ -179,7 +197,7 @@ def plan_fleet(cfg: EngineConfig, platform: Platform, model: str = "", max_model
     if cfg.num_engines < 1:
         raise PlanError(f"engine.num_engines must be >= 1, got {cfg.num_engines}")
     if cfg.kind == "sim":
-        return FleetPlan("sim", cfg.placement_backend,
+        return FleetPlan("sim", resolve_backend(cfg, "sim"),
                          [EnginePlan(f"sim-{i}", [], {}, {}, {}) for i in range(cfg.num_engines)])
     tp = cfg.tensor_parallel_size
     if tp < 1:
@@ -210,7 +228,8 @@ def plan_fleet(cfg: EngineConfig, platform: Platform, model: str = "", max_model
         warnings.append("engine.kv_cache_gib applies on the CPU platform only; on GPUs the KV cache is what "
                         "engine.gpu_memory_utilization leaves after the weights")
     max_seqs = max_seqs_for(cfg, name)
-    binds = cpu_binds(cfg.num_engines) if name == "cpu" and cfg.placement_backend != "ray" else None
+    backend = resolve_backend(cfg, name)
+    binds = cpu_binds(cfg.num_engines) if name == "cpu" and backend != "ray" else None
     engines: list[EnginePlan] = []
     for i in range(cfg.num_engines):
         args = engine_args(name, model, max_seqs=max_seqs, max_model_len=max_model_len, seed=i,
@@ -225,7 +244,7 @@ def plan_fleet(cfg: EngineConfig, platform: Platform, model: str = "", max_model
                                   dict(bundle)))
     _check_memory(engines[0], max_model_len)
     warnings += _graph_warnings(cfg, name, max_seqs)
-    return FleetPlan(name, cfg.placement_backend, engines, warnings)
+    return FleetPlan(name, backend, engines, warnings)
 
 
 def _graph_warnings(cfg: EngineConfig, platform: str, max_seqs: int) -> list[str]:

@@ -99,24 +99,28 @@ def fleet_plan(cfg: EngineConfig, info: ModelInfo, platform: Platform | None = N
 
 def make_engines(cfg: EngineConfig, info: ModelInfo, plan: FleetPlan | None = None) -> list[Engine]:
     """The fleet: engines in this process, or the same engines in host
-    processes (`placement_backend = "process"`) or Ray actors ("ray")
-    behind proxies."""
+    processes (`placement_backend = "process"`, or "auto" with vLLM on GPUs)
+    or Ray actors ("ray") behind proxies, as `plan` resolved it."""
     if cfg.collective_receive not in COLLECTIVE_RECEIVE:
         raise ValueError(f"engine.collective_receive must be one of {', '.join(COLLECTIVE_RECEIVE)}, "
                          f"got {cfg.collective_receive!r}")
     plan = plan or fleet_plan(cfg, info)
     factories = engine_factories(cfg, info, plan)
-    if cfg.placement_backend == "ray":
+    if plan.placement_backend == "ray":
         from rollout_service.engines.ray_fleet import make_ray_engines
 
         r = cfg.ray
         return make_ray_engines(factories, address=r.address, strategy=r.strategy, cpus_per_engine=r.cpus_per_engine,
                                 gpus_per_engine=r.gpus_per_engine, engines_per_actor=r.engines_per_actor,
                                 object_store_gb=r.object_store_gb, heartbeat_s=r.heartbeat_s)
-    if cfg.placement_backend == "process":
+    if plan.placement_backend == "process":
         from rollout_service.engines.proc_fleet import make_process_engines
 
-        return make_process_engines(factories, engines_per_host=cfg.process.engines_per_host,
+        if cfg.process.engines_per_host < 0:
+            raise ValueError(f"engine.process.engines_per_host must be >= 0 (0: one vLLM engine or 8 simulated "
+                             f"engines a host), got {cfg.process.engines_per_host}")
+        per_host = cfg.process.engines_per_host or (1 if cfg.kind == "vllm" else 8)
+        return make_process_engines(factories, engines_per_host=per_host,
                                     heartbeat_s=cfg.process.heartbeat_s, batch_ms=cfg.process.batch_ms,
                                     nice=cfg.process.nice)
     return [make() for _, make in factories]

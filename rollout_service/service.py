@@ -100,7 +100,7 @@ class RolloutService:
             environments=self.environments.by_name,
             affinity=cfg.session_affinity,
         )
-        if cfg.engine.placement_backend != "local":
+        if plan.placement_backend != "local":
             from rollout_service.engines.hosted import bind_counters
 
             bind_counters(engines, self.core.counters)

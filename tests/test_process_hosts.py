@@ -36,7 +36,7 @@ def test_the_backend_is_chosen_by_flag_or_table_and_a_wrong_one_is_named(tmp_pat
     cfg = load_config(tmp_path / "c.toml", ["engine.num_engines=8"])
     assert (cfg.engine.placement_backend, cfg.engine.process.engines_per_host) == ("process", 4)
     cfg = load_config(None, ["engine.placement_backend=\"nowhere\""])
-    with pytest.raises(ValueError, match="engine.placement_backend must be one of local, process, ray, got 'nowhere'"):
+    with pytest.raises(ValueError, match="engine.placement_backend must be one of auto, local, process, ray, got 'nowhere'"):
         fleet_plan(cfg.engine, None)
     from rollout_service.engines.proc_fleet import make_process_engines
 

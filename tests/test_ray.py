@@ -34,7 +34,7 @@ def test_ray_flag_and_toml_table_select_ray_placement(tmp_path):
     assert (cfg.engine.placement_backend, cfg.engine.ray.address, cfg.engine.num_engines) == ("ray", "auto", 8)
     cfg = _config(parser.parse_args(["--ray", "10.0.0.1:6379", "--set", "engine.ray.gpus_per_engine=2"]))
     assert (cfg.engine.ray.address, cfg.engine.ray.gpus_per_engine) == ("10.0.0.1:6379", 2.0)
-    assert _config(parser.parse_args([])).engine.placement_backend == "local"
+    assert _config(parser.parse_args([])).engine.placement_backend == "auto"
     (tmp_path / "c.toml").write_text('[engine]\nplacement_backend = "ray"\n[engine.ray]\nstrategy = "PACK"\nengines_per_actor = 4\n')
     cfg = load_config(tmp_path / "c.toml")
     assert (cfg.engine.placement_backend, cfg.engine.ray.strategy, cfg.engine.ray.engines_per_actor) == ("ray", "PACK", 4)
