@@ -195,8 +195,9 @@ def test_a_killed_server_leaves_no_host_behind(tmp_path):
 
 async def test_a_vllm_engine_in_a_host_serves_the_weights_pushed_to_it(own_vllm_engines):
     """A real vLLM engine (its `AsyncLLM` and output processing) in a host
-    process: it serves, a push reaches it through the staged file, and every
-    token's logprob is the pushed weights' (transformers' recomputation)."""
+    process: it serves, reports its worker's device, a push reaches it
+    through the staged file, and every token's logprob is the pushed
+    weights' (transformers' recomputation)."""
     from helpers import bundled_weights, max_logprob_gap, perturbed, vllm_model, PROMPTS
 
     new = perturbed(bundled_weights(), seed=3)
@@ -206,6 +207,9 @@ async def test_a_vllm_engine_in_a_host_serves_the_weights_pushed_to_it(own_vllm_
     async with running(cfg) as service:
         engine = service.core.engines["vllm-0"]
         assert engine.placement == "process" and engine.host_pid not in (None, os.getpid())
+        # Where its worker computes is reported through the host (selftest's device check).
+        [worker] = await engine.device_report()
+        assert worker["device"] == "cpu" and worker["cores"] and worker["pid"] not in (os.getpid(), engine.host_pid)
         async with RolloutClient(f"127.0.0.1:{service.grpc_port}", consumer_id=unique("pvllm")) as client:
             reply = await client.push_weights(new, version=1)
             assert reply.applied_version == 1

@@ -328,6 +328,11 @@ class HostedEngine:
     def transfer_ranks(self) -> int:
         return self._ranks if self._state == EngineState.READY and self.host.alive else 0
 
+    async def device_report(self) -> list[dict]:
+        """Where the engine's workers compute (a vLLM engine's
+        `device_report`, run in its host)."""
+        return await self.host.call("device_report", self.engine_id)
+
     async def transfer_devices(self) -> list[RankDevice]:
         return [RankDevice.from_dict(d) for d in await self.host.call("transfer_devices", self.engine_id)]
 

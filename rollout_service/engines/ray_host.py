@@ -317,6 +317,9 @@ class EngineHost:
     async def transfer_ranks(self, engine_id: str) -> int:
         return self.engines[engine_id].transfer_ranks()
 
+    async def device_report(self, engine_id: str) -> list[dict]:
+        return list(await self.engines[engine_id].device_report())
+
     async def transfer_devices(self, engine_id: str) -> list[dict]:
         return [d.to_dict() for d in await self.engines[engine_id].transfer_devices()]
 
