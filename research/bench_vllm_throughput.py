@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -77,7 +78,8 @@ async def run(args) -> dict:
         for rnd in range(args.rounds):
             # The order alternates, so that a host getting faster or slower
             # through a run favours neither path.
-            if rnd % 2 == 0:
+            service_first = rnd % 2 == 0
+            if service_first:
                 (tokens, service_s), (direct_tokens, direct_s) = await through_service(rnd), await direct(rnd)
             else:
                 (direct_tokens, direct_s), (tokens, service_s) = await direct(rnd), await through_service(rnd)
@@ -91,14 +93,13 @@ async def run(args) -> dict:
                 "direct_tokens_per_s": round(direct_tokens / direct_s, 1),
                 "ratio": round(ratio, 3), "ratios_after_warmup": ratios,
             }
-            first = "service first" if rnd % 2 == 0 else "direct first"
+            first = "service first" if service_first else "direct first"
             print(f"round {rnd}{' (warm-up)' if not rnd else ''}, {first}: "
                   f"service {results['service_tokens_per_s']:.0f} tok/s ({tokens} tokens, {service_s:.1f}s), "
                   f"direct {results['direct_tokens_per_s']:.0f} tok/s ({direct_tokens} tokens, {direct_s:.1f}s), "
                   f"ratio {ratio:.1%}", flush=True)
         if ratios:
-            ordered = sorted(ratios)
-            median = ordered[len(ordered) // 2] if len(ordered) % 2 else sum(ordered[len(ordered) // 2 - 1:][:2]) / 2
+            median = statistics.median(ratios)
             results["ratio_median"] = round(median, 3)
             print(f"after the warm-up: service / direct {min(ratios):.1%}-{max(ratios):.1%}, median {median:.1%} "
                   f"over {len(ratios)} rounds", flush=True)
