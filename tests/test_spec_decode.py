@@ -104,9 +104,12 @@ async def test_stock_cpu_rejection_sampler_is_caught_as_lossy(stock_engine, plai
     [(_, patched, reason)] = await stock_engine._llm.collective_rpc("rollout_spec_sampler_patched")
     assert not patched and "ROLLOUT_STOCK_SPEC_SAMPLER" in reason
     on, off = await asyncio.gather(sample(stock_engine, PROMPT, STOCK_N), sample(plain_engine, PROMPT, STOCK_N))
-    assert 0 < sum(a for _, _, a in on) < sum(d for _, d, _ in on)  # drafts both accepted and rejected
+    # Speculation ran. How many drafts the stock sampler accepts depends on
+    # the uninitialised memory it reads as temperatures: none, in one run.
+    drafted, accepted = sum(d for _, d, _ in on), sum(a for _, _, a in on)
+    assert drafted > STOCK_N, "speculation did not run"
     result = homogeneity_test([t for t, _, _ in on], [t for t, _, _ in off])
-    print(f"stock speculative vs plain: {result}")
+    print(f"stock speculative vs plain: {result}; {accepted} of {drafted} drafts accepted")
     assert result.p_value < 1e-6, result
 
 
