@@ -1,10 +1,16 @@
 """Rollout throughput through the service vs vLLM driven directly, on the
 same engines with the same prompts and seeds (so both produce the same tokens).
+Each path starts with the engines' prefix caches emptied, so neither gains
+from prompts the other one cached.
 
-    python -m research.bench_vllm_throughput [--groups 32] [--samples 8] [--max-tokens 256] [--rounds 3]
+    python -m research.bench_vllm_throughput [--groups 32] [--samples 8] [--max-tokens 256] [--rounds 5]
 
 Round 0 warms up; then the two paths alternate which goes first, and the
-ratio of their tokens/s is printed per round, with its range and median.
+ratio of their tokens/s is printed per round, with its range and median,
+and the pooled ratio (all tokens over all seconds after the warm-up). The
+CPU time of this process (the engines' front ends, and for the service path
+the server and its client) is printed a token per path: its difference is
+what the service's relay costs on top of vLLM's own front end.
 
 The service path is the whole product: gRPC Submit, placement, the engine
 protocol, version tagging, the delivery log, gRPC streaming to a client.
@@ -34,9 +40,15 @@ async def run(args) -> dict:
     await service.start()
     prompts = [prompt_token_ids(p) for p in generate_problems(args.groups, seed=args.seed)]
 
+    async def empty_prefix_caches() -> None:
+        done = await asyncio.gather(*(e.async_llm.reset_prefix_cache() for e in service.core.engines.values()))
+        if not all(done):
+            raise RuntimeError("an engine refused to reset its prefix cache (requests still running?)")
+
     async def through_service(rnd: int) -> tuple[int, float]:
+        await empty_prefix_caches()
         async with RolloutClient(f"127.0.0.1:{service.grpc_port}", consumer_id=f"bench-{rnd}") as client:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             await client.submit(
                 PromptGroup(prompt_token_ids=p, num_samples=args.samples, max_tokens=args.max_tokens,
                             temperature=1.0, seed=1000 * i, group_id=f"r{rnd}-g{i}")
@@ -50,7 +62,7 @@ async def run(args) -> dict:
                 tokens += len(s.response_token_ids)
                 if n == args.groups * args.samples:
                     break
-            return tokens, time.perf_counter() - t0
+            return tokens, time.perf_counter() - t0, time.process_time() - c0
 
     async def direct(rnd: int) -> tuple[int, float]:
         # The same engines, the same requests and seeds, split evenly.
@@ -67,42 +79,55 @@ async def run(args) -> dict:
                 if out.finished:
                     tokens += len(out.outputs[0].token_ids)
 
-        t0 = time.perf_counter()
+        await empty_prefix_caches()
+        t0, c0 = time.perf_counter(), time.process_time()
         jobs = [(i, j, p) for i, p in enumerate(prompts) for j in range(args.samples)]
         await asyncio.gather(*(one(engines[k % len(engines)], i, j, p) for k, (i, j, p) in enumerate(jobs)))
-        return tokens, time.perf_counter() - t0
+        return tokens, time.perf_counter() - t0, time.process_time() - c0
 
     try:
         results: dict = {}
         ratios = []
+        pooled = [0, 0.0, 0, 0.0]  # service tokens, seconds; direct tokens, seconds (after the warm-up)
+        cpu = [0.0, 0.0]  # this process's CPU seconds: service path, direct path (after the warm-up)
         for rnd in range(args.rounds):
             # The order alternates, so that a host getting faster or slower
             # through a run favours neither path.
             service_first = rnd % 2 == 0
             if service_first:
-                (tokens, service_s), (direct_tokens, direct_s) = await through_service(rnd), await direct(rnd)
+                (tokens, service_s, service_cpu), (direct_tokens, direct_s, direct_cpu) = \
+                    await through_service(rnd), await direct(rnd)
             else:
-                (direct_tokens, direct_s), (tokens, service_s) = await direct(rnd), await through_service(rnd)
+                (direct_tokens, direct_s, direct_cpu), (tokens, service_s, service_cpu) = \
+                    await direct(rnd), await through_service(rnd)
             ratio = (tokens / service_s) / (direct_tokens / direct_s)
             if rnd:
                 ratios.append(round(ratio, 3))
+                pooled = [pooled[0] + tokens, pooled[1] + service_s, pooled[2] + direct_tokens, pooled[3] + direct_s]
+                cpu = [cpu[0] + service_cpu, cpu[1] + direct_cpu]
             results = {
                 "engines": args.engines, "service_tokens": tokens, "direct_tokens": direct_tokens,
                 "service_s": round(service_s, 2), "direct_s": round(direct_s, 2),
                 "service_tokens_per_s": round(tokens / service_s, 1),
                 "direct_tokens_per_s": round(direct_tokens / direct_s, 1),
                 "ratio": round(ratio, 3), "ratios_after_warmup": ratios,
+                "service_cpu_s": round(service_cpu, 2), "direct_cpu_s": round(direct_cpu, 2),
             }
             first = "service first" if service_first else "direct first"
             print(f"round {rnd}{' (warm-up)' if not rnd else ''}, {first}: "
                   f"service {results['service_tokens_per_s']:.0f} tok/s ({tokens} tokens, {service_s:.1f}s), "
                   f"direct {results['direct_tokens_per_s']:.0f} tok/s ({direct_tokens} tokens, {direct_s:.1f}s), "
-                  f"ratio {ratio:.1%}", flush=True)
+                  f"ratio {ratio:.1%}; this process's CPU {service_cpu:.1f}s vs {direct_cpu:.1f}s", flush=True)
         if ratios:
             median = statistics.median(ratios)
+            overall = (pooled[0] / pooled[1]) / (pooled[2] / pooled[3])
             results["ratio_median"] = round(median, 3)
-            print(f"after the warm-up: service / direct {min(ratios):.1%}-{max(ratios):.1%}, median {median:.1%} "
-                  f"over {len(ratios)} rounds", flush=True)
+            results["ratio_pooled"] = round(overall, 3)
+            service_us, direct_us = 1e6 * cpu[0] / pooled[0], 1e6 * cpu[1] / pooled[2]
+            results["cpu_us_per_token"] = {"service": round(service_us, 1), "direct": round(direct_us, 1)}
+            print(f"after the warm-up: service / direct {min(ratios):.1%}-{max(ratios):.1%}, median {median:.1%}, "
+                  f"pooled {overall:.1%} over {len(ratios)} rounds; this process's CPU a token: "
+                  f"service {service_us:.1f} us, direct {direct_us:.1f} us", flush=True)
     finally:
         await service.stop()
     return results
@@ -118,7 +143,7 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--max-seqs", type=int, default=128)
-    p.add_argument("--rounds", type=int, default=3,
+    p.add_argument("--rounds", type=int, default=5,
                    help="the first round warms up; the order of the two paths alternates by round")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--report")
