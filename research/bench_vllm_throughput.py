@@ -45,7 +45,7 @@ async def run(args) -> dict:
         if not all(done):
             raise RuntimeError("an engine refused to reset its prefix cache (requests still running?)")
 
-    async def through_service(rnd: int) -> tuple[int, float]:
+    async def through_service(rnd: int) -> tuple[int, float, float]:
         await empty_prefix_caches()
         async with RolloutClient(f"127.0.0.1:{service.grpc_port}", consumer_id=f"bench-{rnd}") as client:
             t0, c0 = time.perf_counter(), time.process_time()
@@ -64,7 +64,7 @@ async def run(args) -> dict:
                     break
             return tokens, time.perf_counter() - t0, time.process_time() - c0
 
-    async def direct(rnd: int) -> tuple[int, float]:
+    async def direct(rnd: int) -> tuple[int, float, float]:
         # The same engines, the same requests and seeds, split evenly.
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -88,8 +88,7 @@ async def run(args) -> dict:
     try:
         results: dict = {}
         ratios = []
-        pooled = [0, 0.0, 0, 0.0]  # service tokens, seconds; direct tokens, seconds (after the warm-up)
-        cpu = [0.0, 0.0]  # this process's CPU seconds: service path, direct path (after the warm-up)
+        measured = []  # after the warm-up: (tokens, seconds, CPU seconds) of the service path, then of the direct path
         for rnd in range(args.rounds):
             # The order alternates, so that a host getting faster or slower
             # through a run favours neither path.
@@ -103,8 +102,7 @@ async def run(args) -> dict:
             ratio = (tokens / service_s) / (direct_tokens / direct_s)
             if rnd:
                 ratios.append(round(ratio, 3))
-                pooled = [pooled[0] + tokens, pooled[1] + service_s, pooled[2] + direct_tokens, pooled[3] + direct_s]
-                cpu = [cpu[0] + service_cpu, cpu[1] + direct_cpu]
+                measured.append((tokens, service_s, service_cpu, direct_tokens, direct_s, direct_cpu))
             results = {
                 "engines": args.engines, "service_tokens": tokens, "direct_tokens": direct_tokens,
                 "service_s": round(service_s, 2), "direct_s": round(direct_s, 2),
@@ -120,10 +118,11 @@ async def run(args) -> dict:
                   f"ratio {ratio:.1%}; this process's CPU {service_cpu:.1f}s vs {direct_cpu:.1f}s", flush=True)
         if ratios:
             median = statistics.median(ratios)
-            overall = (pooled[0] / pooled[1]) / (pooled[2] / pooled[3])
+            s_tokens, s_secs, s_cpu, d_tokens, d_secs, d_cpu = (sum(column) for column in zip(*measured))
+            overall = (s_tokens / s_secs) / (d_tokens / d_secs)
             results["ratio_median"] = round(median, 3)
             results["ratio_pooled"] = round(overall, 3)
-            service_us, direct_us = 1e6 * cpu[0] / pooled[0], 1e6 * cpu[1] / pooled[2]
+            service_us, direct_us = 1e6 * s_cpu / s_tokens, 1e6 * d_cpu / d_tokens
             results["cpu_us_per_token"] = {"service": round(service_us, 1), "direct": round(direct_us, 1)}
             print(f"after the warm-up: service / direct {min(ratios):.1%}-{max(ratios):.1%}, median {median:.1%}, "
                   f"pooled {overall:.1%} over {len(ratios)} rounds; this process's CPU a token: "
